@@ -1,0 +1,14 @@
+"""dsv41-replay: a torch.compile backend for DeepSeek-V4.1-style models."""
+from .batch import RequestChunk, StepBatch
+from .boundary import replay_begin, replay_end
+from .forward_context import ForwardContext, get_forward_context, set_forward_context
+from .models import DSv41Mini, ModelConfig, build_model, preset
+from .runner import StepRunner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DSv41Mini", "ForwardContext", "ModelConfig", "RequestChunk", "StepBatch", "StepRunner",
+    "build_model", "get_forward_context", "preset", "replay_begin", "replay_end",
+    "set_forward_context",
+]

@@ -1,0 +1,191 @@
+"""Per-step batch metadata and the replay batch (SPEC §3-§4).
+
+Everything here is built on the host from plain integers, so attention and the trim op
+never need a device-to-host sync to learn a request's layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import CacheLayout
+
+
+@dataclass(frozen=True)
+class RequestChunk:
+    """One request's share of a step: ``query_len`` new tokens ending at ``seq_len``.
+
+    ``keep_all`` marks a request that needs every row (e.g. prompt logprobs): it is
+    never trimmed and keeps its normal windows. ``kv_start`` lets a runner that
+    restored the request from a prefix cache set a later replay floor than
+    ``seq_len - window``.
+    """
+
+    req_id: int | str
+    query_len: int
+    seq_len: int
+    keep_all: bool = False
+    kv_start: int | None = None
+
+    @property
+    def context_len(self) -> int:
+        return self.seq_len - self.query_len
+
+
+@dataclass(frozen=True)
+class AttnView:
+    """What an attention op reads: row layout of the rows it is given.
+
+    ``query_start_loc[i]:query_start_loc[i+1]`` are request i's rows; they hold the
+    *last* ``n_i`` positions of its sequence (``seq_len - n_i .. seq_len - 1``).
+    ``kv_start[i]`` is the replay floor (0 = none); only replay layers apply it.
+    """
+
+    num_tokens: int
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    kv_start: tuple[int, ...]
+    cache_base: tuple[int, ...]
+    slot_mapping: torch.Tensor  # [num_tokens] int64, per-token caches
+    comp_slot_mapping: torch.Tensor | None  # [num_tokens] ratio-2 global slots (whole batch only)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass(frozen=True)
+class ReplayBatch:
+    """The rows the replay layers need (SPEC §4), as indices into the step's batch."""
+
+    rows: tuple[int, ...]
+    rows_t: torch.Tensor  # [num_rows] int64 on the model's device
+    positions: torch.Tensor  # [num_rows]
+    view: AttnView
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    requests: tuple[RequestChunk, ...]
+    window: int
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # [R]: each request's last row
+    view: AttnView
+    replay: ReplayBatch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.view.num_tokens
+
+    @property
+    def has_trimmable_rows(self) -> bool:
+        """True when some request keeps fewer rows than it has (a prefill longer than W)."""
+        return self.replay.num_rows < self.num_tokens
+
+
+def kept_len(req: RequestChunk, window: int) -> int:
+    return req.query_len if req.keep_all else min(req.query_len, window)
+
+
+def replay_floor(req: RequestChunk, window: int) -> int:
+    """First SWA position replay layers may read for this request (0 = no floor)."""
+    if req.keep_all or req.query_len <= window:
+        return 0
+    floor = req.seq_len - window
+    return max(floor, req.kv_start) if req.kv_start is not None else floor
+
+
+def replay_rows(requests: list[RequestChunk] | tuple[RequestChunk, ...], window: int
+                ) -> tuple[list[int], list[int]]:
+    """Rows kept for the replay layers and their ``query_start_loc``.
+
+    SPEC §4 example (W=128): query lens [1, 250, 60] give rows
+    ``[0] + [123..250] + [251..310]`` and ``query_start_loc [0, 1, 129, 189]``.
+    """
+    rows: list[int] = []
+    qsl = [0]
+    start = 0
+    for req in requests:
+        k = kept_len(req, window)
+        rows.extend(range(start + req.query_len - k, start + req.query_len))
+        qsl.append(qsl[-1] + k)
+        start += req.query_len
+    return rows, qsl
+
+
+def validate_requests(requests, layout: CacheLayout, window: int,
+                      max_num_batched_tokens: int | None = None) -> None:
+    if not requests:
+        raise ValueError("empty batch: a step needs at least one request")
+    seen = set()
+    total = 0
+    for i, r in enumerate(requests):
+        where = f"request {i} (req_id={r.req_id!r})"
+        if r.req_id in seen:
+            raise ValueError(f"{where}: req_id appears twice in one step")
+        seen.add(r.req_id)
+        if r.query_len < 1:
+            raise ValueError(f"{where}: query_len must be >= 1, got {r.query_len}")
+        if r.seq_len < r.query_len:
+            raise ValueError(f"{where}: seq_len={r.seq_len} is shorter than query_len={r.query_len}")
+        if r.seq_len > layout.max_model_len:
+            raise ValueError(f"{where}: seq_len={r.seq_len} exceeds the cache's max_model_len="
+                             f"{layout.max_model_len}")
+        if r.kv_start is not None and not 0 <= r.kv_start < r.seq_len:
+            raise ValueError(f"{where}: kv_start={r.kv_start} must lie in [0, seq_len={r.seq_len})")
+        total += r.query_len
+    if max_num_batched_tokens is not None and total > max_num_batched_tokens:
+        raise ValueError(f"step has {total} tokens, more than max_num_batched_tokens="
+                         f"{max_num_batched_tokens}")
+
+
+def _positions_of(requests, counts) -> list[int]:
+    pos: list[int] = []
+    for r, n in zip(requests, counts):
+        pos.extend(range(r.seq_len - n, r.seq_len))
+    return pos
+
+
+def build_step_batch(requests, token_ids: list[list[int]], blocks: list[int], layout: CacheLayout,
+                     window: int, device, max_num_batched_tokens: int | None = None) -> StepBatch:
+    """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens and
+    ``blocks[i]`` its cache block."""
+    requests = tuple(requests)
+    validate_requests(requests, layout, window, max_num_batched_tokens)
+    for i, (r, toks) in enumerate(zip(requests, token_ids)):
+        if len(toks) != r.query_len:
+            raise ValueError(f"request {i}: {len(toks)} token ids for query_len={r.query_len}")
+    if len(blocks) != len(requests):
+        raise ValueError(f"{len(blocks)} cache blocks for {len(requests)} requests")
+
+    qlens = [r.query_len for r in requests]
+    base = tuple(layout.base(b) for b in blocks)
+    pos = _positions_of(requests, qlens)
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    slots = [b + p for b, r, q in zip(base, requests, qlens) for p in range(r.seq_len - q, r.seq_len)]
+    # A ratio-2 global entry m pools positions 2m and 2m+1; it is written when its odd
+    # position arrives (the even one is already in the raw cache), so even positions
+    # write the pad slot.
+    comp_pad = layout.num_slots // 2
+    comp = [(s // 2 if p % 2 else comp_pad) for s, p in zip(slots, pos)]
+    floors = tuple(replay_floor(r, window) for r in requests)
+    seq_lens = tuple(r.seq_len for r in requests)
+
+    def t(xs):
+        return torch.tensor(xs, dtype=torch.int64, device=device)
+
+    view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, t(slots), t(comp))
+    rows, kqsl = replay_rows(requests, window)
+    replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base,
+                           t([slots[i] for i in rows]), None)
+    replay = ReplayBatch(tuple(rows), t(rows), t([pos[i] for i in rows]), replay_view)
+    ids = [tok for toks in token_ids for tok in toks]
+    return StepBatch(requests, window, t(ids), t(pos), t([e - 1 for e in qsl[1:]]), view, replay)

@@ -1,0 +1,32 @@
+"""The ``--batch`` mini-language of ``replay-backend verify`` (SPEC §8).
+
+Comma-separated requests: ``p:Q/S`` a prefill chunk of Q tokens ending at sequence
+length S (``p:Q`` = ``p:Q/Q``), ``d:Q/S`` a decode of Q tokens at length S, ``k:Q/S`` a
+prefill that keeps all rows.
+"""
+from __future__ import annotations
+
+import re
+
+from .batch import RequestChunk
+
+_ITEM = re.compile(r"^([pdk]):(\d+)(?:/(\d+))?$")
+
+
+def parse_batch_spec(spec: str) -> list[RequestChunk]:
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"--batch {spec!r}: no requests (expected e.g. 'd:1/700,p:250,p:60/260')")
+    reqs = []
+    for i, item in enumerate(items):
+        m = _ITEM.match(item)
+        if not m:
+            raise ValueError(f"--batch item {i} {item!r}: expected KIND:Q[/S] with KIND in p, d, k")
+        kind, q = m.group(1), int(m.group(2))
+        s = int(m.group(3)) if m.group(3) else q
+        if q < 1 or s < q:
+            raise ValueError(f"--batch item {i} {item!r}: need 1 <= Q <= S")
+        if kind == "d" and not m.group(3):
+            raise ValueError(f"--batch item {i} {item!r}: a decode needs its sequence length (d:Q/S)")
+        reqs.append(RequestChunk(f"r{i}", q, s, keep_all=(kind == "k")))
+    return reqs

@@ -1,0 +1,76 @@
+"""The decoder-replay boundary markers: a small API any model can use.
+
+A model marks its replay region with two calls::
+
+    hidden, residual, positions = replay_begin(hidden, residual, positions)
+    ... replay layers: row-local work and attention ops only ...
+    (out,) = replay_end(out)
+
+Every tensor passed to ``replay_begin`` has the token count as its first dimension,
+and the region may read nothing else that is row-indexed (weights are fine). The
+region's results leave through ``replay_end``, again one row per token.
+
+The markers are custom ops so that Dynamo keeps them in the traced graph, where the
+backend's pass finds the region and replaces it with the trim-and-redispatch op. In
+an uncompiled run they implement the eager behaviours of SPEC §4:
+
+* ``off``: identity (the replay layers run on the whole batch);
+* ``parent``: ``replay_begin`` gathers the replay rows and points attention at the
+  replay batch; ``replay_end`` scatters back into zeros that nobody reads.
+"""
+from __future__ import annotations
+
+import torch
+
+from .forward_context import get_forward_context, has_forward_context
+
+BEGIN_OP = "dsv41_replay::replay_begin"
+END_OP = "dsv41_replay::replay_end"
+
+
+def _should_gather() -> bool:
+    if not has_forward_context():
+        return False
+    ctx = get_forward_context()
+    return ctx.eager_replay == "parent" and ctx.batch.has_trimmable_rows
+
+
+@torch.library.custom_op(BEGIN_OP, mutates_args=())
+def _replay_begin(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    if not _should_gather():
+        return [x.clone() for x in xs]
+    ctx = get_forward_context()
+    rep = ctx.batch.replay
+    ctx.active = rep.view  # restored by replay_end
+    return [x.index_select(0, rep.rows_t) for x in xs]
+
+
+@_replay_begin.register_fake
+def _(xs):
+    return [torch.empty_like(x) for x in xs]
+
+
+@torch.library.custom_op(END_OP, mutates_args=())
+def _replay_end(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    if not _should_gather():
+        return [x.clone() for x in xs]
+    ctx = get_forward_context()
+    ctx.active = ctx.batch.view
+    n = ctx.batch.num_tokens
+    rows = ctx.batch.replay.rows_t
+    return [x.new_zeros((n, *x.shape[1:])).index_copy_(0, rows, x) for x in xs]
+
+
+@_replay_end.register_fake
+def _(xs):
+    return [torch.empty_like(x) for x in xs]
+
+
+def replay_begin(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mark the entry of the replay region; returns the region's row-indexed inputs."""
+    return tuple(torch.ops.dsv41_replay.replay_begin(list(tensors)))
+
+
+def replay_end(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mark the exit of the replay region; returns its row-indexed outputs."""
+    return tuple(torch.ops.dsv41_replay.replay_end(list(tensors)))

@@ -1,0 +1,37 @@
+"""Comparisons used by verify, the demo and the tests: logits and replay-layer KV."""
+from __future__ import annotations
+
+import torch
+
+from .batch import StepBatch, kept_len
+from .kv_cache import KVCaches
+
+
+def replay_kv_slots(batch: StepBatch) -> torch.Tensor:
+    """Cache slots of the rows the replay layers keep (the only rows SPEC §3 defines)."""
+    slots = []
+    for i, r in enumerate(batch.requests):
+        k = kept_len(r, batch.window)
+        base = batch.view.cache_base[i]
+        slots.extend(range(base + r.seq_len - k, base + r.seq_len))
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def max_abs_err_kv(a: KVCaches, b: KVCaches, batch: StepBatch) -> float:
+    """Largest difference of the SWA KV the replay layers wrote for kept rows."""
+    slots = replay_kv_slots(batch)
+    err = 0.0
+    for layer in a.cfg.replay_layers:
+        sa = a.swa[layer].index_select(0, slots.to(a.swa[layer].device)).float()
+        sb = b.swa[layer].index_select(0, slots.to(b.swa[layer].device)).float()
+        err = max(err, (sa - sb).abs().max().item() if slots.numel() else 0.0)
+    return err
+
+
+def max_abs_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    return (x.float() - y.float()).abs().max().item()
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Absolute tolerance for compiled-vs-oracle comparisons (float reassociation only)."""
+    return {torch.float32: 1e-3, torch.float64: 1e-8}.get(dtype, 5e-2)

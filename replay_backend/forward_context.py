@@ -1,0 +1,82 @@
+"""The one piece of module-global state: the context of the step being run.
+
+Attention ops and the trim op are opaque to Dynamo and read per-step metadata from
+here instead of from their arguments, so the traced graph stays the same for every
+step and only the token count is dynamic. The runner sets a context around each
+model call; the compiled backend adds what it learned about the step (kind, padding).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .batch import AttnView, StepBatch
+    from .kv_cache import KVCaches
+
+
+@dataclass
+class StepInfo:
+    """How the compiled backend runs this step (SPEC §5)."""
+
+    kind: str  # "piecewise" | "eager"
+    num_tokens: int
+    padded_tokens: int
+
+
+@dataclass
+class ForwardContext:
+    batch: "StepBatch"
+    kv: "KVCaches"
+    # Behaviour of the replay markers when the model runs *uncompiled*: "off" runs the
+    # replay layers on the whole batch, "parent" on the replay batch (SPEC §4).
+    eager_replay: str = "off"
+    # Metadata the attention ops read now: the whole batch, or the replay batch while
+    # the replay region runs on it.
+    active: "AttnView" = None  # type: ignore[assignment]
+    step: StepInfo | None = None
+    # Filled by the compiled backend while its model runs: the replay-region runtime
+    # the trim op dispatches to, and what the last trim did (for verify / tests).
+    replay_runtime: Any = None
+    last_trim: Any = None
+
+    def __post_init__(self) -> None:
+        if self.eager_replay not in ("off", "parent"):
+            raise ValueError(f"eager_replay must be 'off' or 'parent', got {self.eager_replay!r}")
+        if self.active is None:
+            self.active = self.batch.view
+
+    @contextlib.contextmanager
+    def activate(self, view: "AttnView") -> Iterator[None]:
+        """Point attention at ``view`` for the duration (the replay region)."""
+        saved, self.active = self.active, view
+        try:
+            yield
+        finally:
+            self.active = saved
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    saved, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = saved
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError(
+            "no forward context is set: DSv4.1 attention and replay ops must run inside "
+            "replay_backend.set_forward_context(...) (the StepRunner does this for you)")
+    return _current
+
+
+def has_forward_context() -> bool:
+    return _current is not None

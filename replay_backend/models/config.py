@@ -1,0 +1,118 @@
+"""Configuration of the DSv4.1-mini reference model and its presets."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a DeepSeek-V4.1-style model (SPEC §2).
+
+    Layer roles follow from ``kv_source_layer_ids``: layers below the first source
+    have sliding-window attention only, each source owns a compressor writing the
+    global KV (ratio 2, except the last source which has ratio 1), and the layers
+    after the last source (the *cut*) are the decoder replay layers.
+    """
+
+    name: str = "tiny"
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 40
+    hc_mult: int = 4
+    window: int = 128
+    kv_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20)
+    num_heads: int = 4
+    head_dim: int = 64
+    rope_dim: int = 32
+    q_lora_rank: int = 128
+    o_groups: int = 2
+    o_lora_rank: int = 64
+    num_experts: int = 4
+    top_k: int = 2
+    moe_intermediate_size: int = 128
+    shared_intermediate_size: int = 128
+    rms_eps: float = 1e-6
+    hc_eps: float = 1e-6
+    sinkhorn_iters: int = 20
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        srcs = list(self.kv_source_layer_ids)
+        if not srcs:
+            problems.append("kv_source_layer_ids must name at least one layer")
+        if srcs != sorted(set(srcs)):
+            problems.append(f"kv_source_layer_ids must be strictly increasing, got {srcs}")
+        if srcs and (srcs[0] < 0 or srcs[-1] >= self.num_layers):
+            problems.append(f"kv_source_layer_ids {srcs} out of range for num_layers={self.num_layers}")
+        if self.num_heads % self.o_groups:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of o_groups={self.o_groups}")
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            problems.append(f"rope_dim={self.rope_dim} must be even and in (0, head_dim={self.head_dim}]")
+        if not 0 < self.top_k <= self.num_experts:
+            problems.append(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        for key in ("vocab_size", "hidden_size", "num_layers", "hc_mult", "window", "num_heads",
+                    "head_dim", "q_lora_rank", "o_lora_rank", "moe_intermediate_size",
+                    "shared_intermediate_size", "sinkhorn_iters"):
+            if getattr(self, key) <= 0:
+                problems.append(f"{key} must be positive, got {getattr(self, key)}")
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    # ---- derived layer roles -------------------------------------------------------
+    @property
+    def cut(self) -> int:
+        """Index of the last KV source layer: the decoder-replay boundary follows it."""
+        return max(self.kv_source_layer_ids)
+
+    @property
+    def replay_layers(self) -> range:
+        return range(self.cut + 1, self.num_layers)
+
+    def compress_ratio(self, layer: int) -> int:
+        """Compressor ratio of a KV source layer (2 for early sources, 1 for the last)."""
+        if layer not in self.kv_source_layer_ids:
+            raise ValueError(f"layer {layer} is not a KV source")
+        return 1 if layer == self.cut else 2
+
+    def global_source(self, layer: int) -> int | None:
+        """The latest KV source at or below ``layer`` (None for SWA-only layers)."""
+        below = [s for s in self.kv_source_layer_ids if s <= layer]
+        return below[-1] if below else None
+
+    def layer_kind(self, layer: int) -> str:
+        if layer in self.kv_source_layer_ids:
+            return "source"
+        return "global" if self.global_source(layer) is not None else "swa"
+
+    def with_layers(self, num_layers: int, kv_source_layer_ids: tuple[int, ...] | list[int]) -> "ModelConfig":
+        """Shrunk copy keeping the layer roles (e.g. 8 layers, sources (1, 3))."""
+        return dataclasses.replace(self, num_layers=num_layers,
+                                   kv_source_layer_ids=tuple(kv_source_layer_ids))
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),
+    "mini-1k": ModelConfig(
+        name="mini-1k", vocab_size=16384, hidden_size=1024, num_heads=8, head_dim=128,
+        rope_dim=64, q_lora_rank=384, o_groups=4, o_lora_rank=256, num_experts=8, top_k=2,
+        moe_intermediate_size=512, shared_intermediate_size=512),
+    "mini-2k": ModelConfig(
+        name="mini-2k", vocab_size=32768, hidden_size=2048, num_heads=16, head_dim=128,
+        rope_dim=64, q_lora_rank=768, o_groups=8, o_lora_rank=512, num_experts=16, top_k=2,
+        moe_intermediate_size=1024, shared_intermediate_size=1024),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named preset, optionally with fields replaced (``layers=8, sources=(1, 3)``
+    style shrinking is done with :meth:`ModelConfig.with_layers`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[name]
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg

@@ -1,0 +1,128 @@
+"""DSv4.1-mini: a small, faithful DeepSeek-V4.1-style "causal encoder-decoder" (SPEC §2).
+
+``forward(input_ids, positions)`` returns the final-normed hidden state of every row;
+``compute_logits`` runs the head on the rows the caller selects (each request's last
+row). Everything after the last KV source is the replay region, delimited with the
+markers of :mod:`replay_backend.boundary`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..boundary import replay_begin, replay_end
+from . import attention_ops  # noqa: F401  (registers the dsv41:: ops)
+from .config import ModelConfig
+from .layers import MoE, HyperConnection, RMSNorm, _param, apply_rope, hc_collapse, hc_merge, rope_angles
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, gen: torch.Generator) -> None:
+        super().__init__()
+        h, nh, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.cfg, self.layer = cfg, layer
+        self.kind = cfg.layer_kind(layer)
+        self.norm = RMSNorm(h, cfg.rms_eps)
+        self.wq_a = _param(gen, cfg.q_lora_rank, h, std=h ** -0.5)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
+        self.wq_b = _param(gen, nh * hd, cfg.q_lora_rank, std=cfg.q_lora_rank ** -0.5)
+        self.wkv = _param(gen, hd, h, std=h ** -0.5)
+        self.kv_norm = RMSNorm(hd, cfg.rms_eps)
+        self.sink = _param(gen, nh, std=1.0)
+        per_group = nh // cfg.o_groups * hd
+        self.wo_a = _param(gen, cfg.o_groups, per_group, cfg.o_lora_rank, std=per_group ** -0.5)
+        self.wo_b = _param(gen, h, cfg.o_groups * cfg.o_lora_rank,
+                           std=(cfg.o_groups * cfg.o_lora_rank) ** -0.5)
+        if self.kind == "source":
+            self.ratio = cfg.compress_ratio(layer)
+            self.wc_kv = _param(gen, hd, h, std=h ** -0.5)
+            self.wc_gate = _param(gen, hd, h, std=h ** -0.5) if self.ratio == 2 else None
+            self.comp_norm = RMSNorm(hd, cfg.rms_eps)
+
+    def forward(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, cfg = u.shape[0], self.cfg
+        x = self.norm(u)
+        q = (self.q_norm(x @ self.wq_a.t()) @ self.wq_b.t()).view(t, cfg.num_heads, cfg.head_dim)
+        kv = self.kv_norm(x @ self.wkv.t())
+        q, kv = apply_rope(q, cos, sin), apply_rope(kv, cos, sin)
+        out = torch.empty_like(q)  # allocated here so the next graph piece reads a stable address
+        if self.kind == "source":
+            gate = x @ self.wc_gate.t() if self.wc_gate is not None else None
+            torch.ops.dsv41.source_attention(q, kv, x @ self.wc_kv.t(), gate, self.comp_norm.weight,
+                                             self.sink, out, self.layer)
+        elif self.kind == "global":
+            torch.ops.dsv41.global_attention(q, kv, self.sink, out, self.layer)
+        else:
+            torch.ops.dsv41.swa_attention(q, kv, self.sink, out, self.layer)
+        o = apply_rope(out, cos, sin, inverse=True).view(t, cfg.o_groups, -1)
+        o = torch.einsum("tgd,gdr->tgr", o, self.wo_a).reshape(t, -1)
+        return o @ self.wo_b.t()
+
+
+class FFN(nn.Module):
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.moe = MoE(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size,
+                       cfg.shared_intermediate_size, gen)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.norm(u))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, gen: torch.Generator) -> None:
+        super().__init__()
+        args = (cfg.hc_mult, cfg.hidden_size, cfg.rms_eps, cfg.hc_eps, cfg.sinkhorn_iters, gen)
+        self.attn_hc = HyperConnection(*args)
+        self.attn = Attention(cfg, layer, gen)
+        self.ffn_hc = HyperConnection(*args)
+        self.ffn = FFN(cfg, gen)
+
+
+class DSv41Mini(nn.Module):
+    """The reference model. State between sublayers is the boundary tuple of SPEC §2:
+    ``hidden`` (last sublayer output), ``residual`` (stream before merging it),
+    ``pre`` / ``post`` / ``comb`` (that sublayer's fp32 mixes)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.embed = _param(gen, cfg.vocab_size, cfg.hidden_size, std=1.0)
+        self.layers = nn.ModuleList(Block(cfg, i, gen) for i in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.head = _param(gen, cfg.vocab_size, cfg.hidden_size, std=cfg.hidden_size ** -0.5)
+
+    def _sublayer(self, hc: HyperConnection, fn, state, prev_pre):
+        hidden, residual, post, comb = state
+        stream = residual if hidden is None else hc_merge(hidden, residual, post, comb)
+        pre, post, comb = hc(stream)
+        # Delayed pre-mix: the sublayer reads the stream collapsed with the *previous*
+        # sublayer's pre (the first sublayer reads the embedding itself).
+        u = stream[:, 0] if prev_pre is None else hc_collapse(stream, prev_pre)
+        return (fn(u), stream, post, comb), pre
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        h = self.embed[input_ids]
+        cos, sin = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
+        state = (None, h[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous(), None, None)
+        pre = None
+        for i, blk in enumerate(self.layers):
+            if i == cfg.cut + 1:  # decoder-replay boundary (SPEC §2)
+                hidden, residual, post, comb = state
+                hidden, residual, pre, post, comb, positions = replay_begin(
+                    hidden, residual, pre, post, comb, positions)
+                cos, sin = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
+                state = (hidden, residual, post, comb)
+            state, pre = self._sublayer(blk.attn_hc, lambda u: blk.attn(u, cos, sin), state, pre)
+            state, pre = self._sublayer(blk.ffn_hc, blk.ffn, state, pre)
+        hidden, residual, post, comb = state
+        out = self.final_norm(hc_collapse(hc_merge(hidden, residual, post, comb), pre))
+        if cfg.cut + 1 < cfg.num_layers:
+            (out,) = replay_end(out)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float() @ self.head.float().t()

@@ -1,0 +1,119 @@
+"""Building blocks of DSv4.1-mini: RMSNorm, RoPE, manifold hyper-connections, MoE."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention_ops import rms_norm
+
+
+def _param(gen: torch.Generator, *shape: int, std: float) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape, generator=gen) * std, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim))
+    ang = positions.float()[:, None] * inv[None, :]
+    return torch.cos(ang), torch.sin(ang)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``2 * cos.shape[-1]`` dims of ``x`` ([T, ..., D]) by position."""
+    r = 2 * cos.shape[-1]
+    extra = x.dim() - 2
+    c = cos.view(cos.shape[0], *([1] * extra), -1)
+    s = sin.view(sin.shape[0], *([1] * extra), -1)
+    if inverse:
+        s = -s
+    nope, rot = x[..., :-r], x[..., -r:].float()
+    x1, x2 = rot.chunk(2, dim=-1)
+    rot = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).to(x.dtype)
+    return torch.cat([nope, rot], dim=-1)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Softmax over rows, then alternate column/row normalisation: doubly stochastic."""
+    m = torch.softmax(logits, dim=-1)
+    for _ in range(iters):
+        m = m / m.sum(dim=-2, keepdim=True)
+        m = m / m.sum(dim=-1, keepdim=True)
+    return m
+
+
+class HyperConnection(nn.Module):
+    """mHC mixing for one sublayer: from the flattened stream, ``pre``, ``post``, ``comb``.
+
+    The stream is ``[T, hc, H]``; mixes are computed in fp32 from the RMS-scaled stream.
+    """
+
+    def __init__(self, hc: int, hidden: int, eps: float, hc_eps: float, iters: int,
+                 gen: torch.Generator) -> None:
+        super().__init__()
+        self.hc, self.eps, self.hc_eps, self.iters = hc, eps, hc_eps, iters
+        n = 2 * hc + hc * hc
+        self.weight = _param(gen, n, hc * hidden, std=(hc * hidden) ** -0.5)
+        self.bias = _param(gen, n, std=0.5)
+
+    def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, hc = stream.shape[0], self.hc
+        flat = stream.reshape(t, -1).float()
+        flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+        mix = flat @ self.weight.t() + self.bias
+        pre = torch.sigmoid(mix[:, :hc]) + self.hc_eps
+        post = 2.0 * torch.sigmoid(mix[:, hc:2 * hc])
+        comb = sinkhorn(mix[:, 2 * hc:].view(t, hc, hc), self.iters)
+        return pre, post, comb
+
+
+def hc_merge(hidden: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
+    """``new[j] = post[j] * hidden + sum_i comb[i, j] * residual[i]`` (fp32 mix)."""
+    mixed = torch.einsum("tij,tih->tjh", comb, residual.float())
+    return (post[..., None] * hidden.float()[:, None, :] + mixed).to(residual.dtype)
+
+
+def hc_collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return (pre[..., None] * stream.float()).sum(1).to(stream.dtype)
+
+
+class MoE(nn.Module):
+    """Routed top-k experts plus one shared expert, SwiGLU.
+
+    Static shapes and no host syncs, so a step can be captured: every expert runs on
+    every row and the routing weight (zero when not selected) scales its output.
+    """
+
+    def __init__(self, hidden: int, n_exp: int, top_k: int, inter: int, shared: int,
+                 gen: torch.Generator) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = _param(gen, n_exp, hidden, std=hidden ** -0.5)
+        self.w_gate_up = _param(gen, n_exp, 2 * inter, hidden, std=hidden ** -0.5)
+        self.w_down = _param(gen, n_exp, hidden, inter, std=inter ** -0.5)
+        self.s_gate_up = _param(gen, 2 * shared, hidden, std=hidden ** -0.5)
+        self.s_down = _param(gen, hidden, shared, std=shared ** -0.5)
+
+    @staticmethod
+    def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        g, u = (x @ gate_up.t()).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(g) * u) @ down.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.softmax(x.float() @ self.router.float().t(), dim=-1)
+        top_w, top_i = torch.topk(scores, self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        combine = torch.zeros_like(scores).scatter(1, top_i, top_w).to(x.dtype)
+        out = self._swiglu(x, self.s_gate_up, self.s_down)
+        for e in range(self.router.shape[0]):
+            out = out + combine[:, e:e + 1] * self._swiglu(x, self.w_gate_up[e], self.w_down[e])
+        return out

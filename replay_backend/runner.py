@@ -1,0 +1,128 @@
+"""A minimal step runner: owns the KV caches, builds each step's metadata, runs the model.
+
+It serves mixed steps (prefill chunks with cached context, decodes, requests that keep
+all rows) and prefill-only runs of long prompts chunked by ``max_num_batched_tokens``.
+The model callable may be the eager model or a ``torch.compile``-d one; the runner
+only sets the forward context around the call and runs the head on last rows.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .batch import RequestChunk, StepBatch, build_step_batch, validate_requests
+from .forward_context import ForwardContext, StepInfo, set_forward_context
+from .kv_cache import CacheLayout, KVCaches
+from .models.dsv41_mini import DSv41Mini
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [R, vocab] fp32, each request's last row
+    batch: StepBatch
+    step: StepInfo | None  # set when the compiled backend ran the step
+    trim: Any  # what the trim op did (a TrimRecord), None when it did not run
+
+
+def token_ids_for(req_id, start: int, end: int, vocab: int) -> list[int]:
+    """Deterministic prompt tokens, so two runners see the same request."""
+    seed = zlib.crc32(str(req_id).encode())
+    return [(seed * 2654435761 + p * 40503 + (p * p) % 977) % vocab for p in range(start, end)]
+
+
+def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Greedy chunked prefill: steps of ``(request index, query_len, seq_len)`` that use
+    at most ``budget`` tokens each, requests served in order."""
+    if budget <= 0:
+        raise ValueError(f"max_num_batched_tokens must be positive, got {budget}")
+    done = [0] * len(lengths)
+    steps = []
+    i = 0
+    while i < len(lengths):
+        room, step = budget, []
+        j = i
+        while j < len(lengths) and room > 0:
+            q = min(room, lengths[j] - done[j])
+            if q > 0:
+                done[j] += q
+                step.append((j, q, done[j]))
+                room -= q
+            j += 1
+        steps.append(step)
+        while i < len(lengths) and done[i] == lengths[i]:
+            i += 1
+    return steps
+
+
+class StepRunner:
+    def __init__(self, model: DSv41Mini, *, max_num_seqs: int = 8, max_model_len: int = 4096,
+                 max_num_batched_tokens: int = 16384, forward: Callable | None = None) -> None:
+        p = next(model.parameters())
+        self.model = model
+        self.cfg = model.cfg
+        self.device, self.dtype = p.device, p.dtype
+        self.layout = CacheLayout(max_model_len, max_num_seqs)
+        self.kv = KVCaches(self.cfg, self.layout, self.device, self.dtype)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.forward = forward if forward is not None else model
+        self._blocks: dict[Any, int] = {}
+
+    # ---- cache blocks --------------------------------------------------------------
+    def block_of(self, req_id) -> int:
+        if req_id not in self._blocks:
+            free = set(range(self.layout.num_blocks)) - set(self._blocks.values())
+            if not free:
+                raise RuntimeError(f"no free cache block for request {req_id!r}: all "
+                                   f"{self.layout.num_blocks} (max_num_seqs) are in use")
+            self._blocks[req_id] = min(free)
+        return self._blocks[req_id]
+
+    def free(self, req_id) -> None:
+        self._blocks.pop(req_id, None)
+
+    # ---- steps ---------------------------------------------------------------------
+    def build_batch(self, requests: Iterable[RequestChunk]) -> StepBatch:
+        requests = list(requests)
+        validate_requests(requests, self.layout, self.cfg.window, self.max_num_batched_tokens)
+        tokens = [token_ids_for(r.req_id, r.context_len, r.seq_len, self.cfg.vocab_size)
+                  for r in requests]
+        blocks = [self.block_of(r.req_id) for r in requests]
+        return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
+                                self.max_num_batched_tokens)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None) -> StepOutput:
+        ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay)
+        fwd = forward if forward is not None else self.forward
+        with set_forward_context(ctx):
+            hidden = fwd(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return StepOutput(logits, batch, ctx.step, ctx.last_trim)
+
+    def step(self, requests: Iterable[RequestChunk], eager_replay: str = "off",
+             forward: Callable | None = None) -> StepOutput:
+        return self.run(self.build_batch(requests), eager_replay, forward)
+
+    def prefill(self, prompts: dict[Any, int], eager_replay: str = "off",
+                forward: Callable | None = None) -> dict[Any, torch.Tensor]:
+        """Prefill whole prompts (``req_id -> length``) in chunked steps; returns each
+        request's last-row logits from the step that finished it."""
+        ids, lengths = list(prompts), list(prompts.values())
+        out: dict[Any, torch.Tensor] = {}
+        for plan in schedule_prefill(lengths, self.max_num_batched_tokens):
+            reqs = [RequestChunk(ids[j], q, s) for j, q, s in plan]
+            res = self.step(reqs, eager_replay, forward)
+            for k, (j, _, s) in enumerate(plan):
+                if s == lengths[j]:
+                    out[ids[j]] = res.logits[k]
+        return out
+
+    def prefill_context(self, requests: Iterable[RequestChunk], eager_replay: str = "off",
+                        forward: Callable | None = None) -> None:
+        """Fill the cache with each request's context (the tokens before its chunk)."""
+        prompts = {r.req_id: r.context_len for r in requests if r.context_len > 0}
+        if prompts:
+            self.prefill(prompts, eager_replay, forward)
