@@ -2,7 +2,7 @@
 
 A model marks its replay region with two calls::
 
-    hidden, residual, positions = replay_begin(hidden, residual, positions)
+    hidden, residual, positions = replay_begin(hidden, residual, positions, window=W)
     ... replay layers: row-local work and attention ops only ...
     (out,) = replay_end(out)
 
@@ -36,7 +36,7 @@ def _should_gather() -> bool:
 
 
 @torch.library.custom_op(BEGIN_OP, mutates_args=())
-def _replay_begin(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _replay_begin(xs: list[torch.Tensor], window: int = 0) -> list[torch.Tensor]:
     if not _should_gather():
         return [x.clone() for x in xs]
     ctx = get_forward_context()
@@ -46,7 +46,7 @@ def _replay_begin(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @_replay_begin.register_fake
-def _(xs):
+def _(xs, window=0):
     return [torch.empty_like(x) for x in xs]
 
 
@@ -66,9 +66,13 @@ def _(xs):
     return [torch.empty_like(x) for x in xs]
 
 
-def replay_begin(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Mark the entry of the replay region; returns the region's row-indexed inputs."""
-    return tuple(torch.ops.dsv41_replay.replay_begin(list(tensors)))
+def replay_begin(*tensors: torch.Tensor, window: int) -> tuple[torch.Tensor, ...]:
+    """Mark the entry of the replay region; returns the region's row-indexed inputs.
+
+    ``window`` is the model's sliding window W: the backend needs it for the replay
+    capture sizes and to validate the trim threshold.
+    """
+    return tuple(torch.ops.dsv41_replay.replay_begin(list(tensors), window))
 
 
 def replay_end(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

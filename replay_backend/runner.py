@@ -7,13 +7,16 @@ only sets the forward context around the call and runs the head on last rows.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .batch import RequestChunk, StepBatch, build_step_batch, validate_requests
+from . import torch_compat
+from .batch import AttnView, RequestChunk, StepBatch, build_step_batch, validate_requests
 from .forward_context import ForwardContext, StepInfo, set_forward_context
 from .kv_cache import CacheLayout, KVCaches
 from .models.dsv41_mini import DSv41Mini
@@ -38,6 +41,8 @@ def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, in
     at most ``budget`` tokens each, requests served in order."""
     if budget <= 0:
         raise ValueError(f"max_num_batched_tokens must be positive, got {budget}")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"prompt lengths must be >= 1, got {lengths}")
     done = [0] * len(lengths)
     steps = []
     i = 0
@@ -59,7 +64,8 @@ def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, in
 
 class StepRunner:
     def __init__(self, model: DSv41Mini, *, max_num_seqs: int = 8, max_model_len: int = 4096,
-                 max_num_batched_tokens: int = 16384, forward: Callable | None = None) -> None:
+                 max_num_batched_tokens: int = 16384, forward: Callable | None = None,
+                 backend=None) -> None:
         p = next(model.parameters())
         self.model = model
         self.cfg = model.cfg
@@ -68,6 +74,13 @@ class StepRunner:
         self.kv = KVCaches(self.cfg, self.layout, self.device, self.dtype)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.forward = forward if forward is not None else model
+        # With a ReplayBackend the runner compiles the model itself, so it can capture
+        # graphs and turn a recompile after warm-up into an error.
+        self.backend = backend
+        if backend is not None:
+            if forward is not None:
+                raise ValueError("pass either forward or backend, not both")
+            self.forward = torch.compile(model, backend=backend, fullgraph=True)
         self._blocks: dict[Any, int] = {}
 
     # ---- cache blocks --------------------------------------------------------------
@@ -84,6 +97,7 @@ class StepRunner:
         self._blocks.pop(req_id, None)
 
     # ---- steps ---------------------------------------------------------------------
+    @torch.inference_mode()
     def build_batch(self, requests: Iterable[RequestChunk]) -> StepBatch:
         requests = list(requests)
         validate_requests(requests, self.layout, self.cfg.window, self.max_num_batched_tokens)
@@ -97,8 +111,14 @@ class StepRunner:
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None) -> StepOutput:
         ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay)
         fwd = forward if forward is not None else self.forward
-        with set_forward_context(ctx):
-            hidden = fwd(batch.input_ids, batch.positions)
+        ids, pos = batch.input_ids, batch.positions
+        if fwd is self.forward and self.backend is not None and batch.num_tokens == 1:
+            # torch specialises size-1 dimensions, so a one-token trace would be a second
+            # graph: a lone decode runs as two rows, the second a pad row (token 0 at
+            # position 0) that attention ignores and whose KV goes to the pad slot.
+            ids, pos = torch.cat([ids, ids.new_zeros(1)]), torch.cat([pos, pos.new_zeros(1)])
+        with set_forward_context(ctx), self._compile_guards(fwd, ids, pos):
+            hidden = fwd(ids, pos)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return StepOutput(logits, batch, ctx.step, ctx.last_trim)
 
@@ -126,3 +146,52 @@ class StepRunner:
         prompts = {r.req_id: r.context_len for r in requests if r.context_len > 0}
         if prompts:
             self.prefill(prompts, eager_replay, forward)
+
+    # ---- compiled models ------------------------------------------------------------
+    def _compile_guards(self, fwd, ids: torch.Tensor, pos: torch.Tensor):
+        if self.backend is None or fwd is not self.forward:
+            return contextlib.nullcontext()
+        # One trace, dynamic only in the token count.
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch_compat.size_oblivious())
+        if self.backend.frozen:
+            stack.enter_context(torch_compat.no_recompile())
+        return stack
+
+    @torch.inference_mode()
+    def dummy_batch(self, num_tokens: int) -> StepBatch:
+        """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most W
+        tokens (so all rows are replay rows), every KV write aimed at the pad slot."""
+        w = self.cfg.window
+        reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s))
+                for i, s in enumerate(range(0, num_tokens, w))]
+        tokens = [[0] * r.query_len for r in reqs]
+        b = build_step_batch(reqs, tokens, [0] * len(reqs), self.layout, w, self.device)
+        pad = self.layout.pad_slot
+
+        def to_pad(v: AttnView) -> AttnView:
+            comp = None if v.comp_slot_mapping is None else torch.full_like(v.comp_slot_mapping, pad // 2)
+            return dataclasses.replace(v, slot_mapping=torch.full_like(v.slot_mapping, pad),
+                                       comp_slot_mapping=comp)
+        replay = dataclasses.replace(b.replay, view=to_pad(b.replay.view))
+        return dataclasses.replace(b, view=to_pad(b.view), replay=replay)
+
+    def capture(self) -> dict:
+        """Warm up, capture main graphs then replay graphs (largest first), start serving.
+
+        Returns the per-runner capture summary. Without CUDA the same sequence runs
+        with emulated graphs."""
+        if self.backend is None:
+            raise RuntimeError("capture() needs a StepRunner built with backend=ReplayBackend(...)")
+        self.run(self.dummy_batch(self.cfg.window))  # trace + compile
+        compiled = self.backend.model
+        # Replay graphs are captured outside any model step, under a dummy context.
+        with set_forward_context(ForwardContext(self.dummy_batch(self.cfg.window), self.kv)), \
+                torch.inference_mode():
+            summary = compiled.capture(lambda n: self.run(self.dummy_batch(n)),
+                                       lambda n: self.dummy_batch(n).replay.view)
+        compiled.start_serving()
+        self.backend.freeze()
+        return summary

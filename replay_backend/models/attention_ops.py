@@ -44,7 +44,8 @@ def _attend_request(q: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | Non
         b = min(n, a + rows_per_block)
         pa, pb = p0 + a, p0 + b - 1
         qp = torch.arange(pa, pb + 1, device=dev)
-        lo = max(0, pa - window + 1, floor)
+        # A block wholly below the floor reads no SWA keys (global keys and sink only).
+        lo = min(max(0, pa - window + 1, floor), pb + 1)
         kp = torch.arange(lo, pb + 1, device=dev)
         keys = swa[lo:pb + 1]
         mask = (kp[None, :] <= qp[:, None]) & (kp[None, :] >= torch.clamp(qp - window + 1, min=floor)[:, None])

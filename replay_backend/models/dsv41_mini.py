@@ -55,7 +55,8 @@ class Attention(nn.Module):
         else:
             torch.ops.dsv41.swa_attention(q, kv, self.sink, out, self.layer)
         o = apply_rope(out, cos, sin, inverse=True).view(t, cfg.o_groups, -1)
-        o = torch.einsum("tgd,gdr->tgr", o, self.wo_a).reshape(t, -1)
+        # Grouped low-rank projection as one batched matmul over groups.
+        o = torch.bmm(o.transpose(0, 1), self.wo_a).transpose(0, 1).reshape(t, -1)
         return o @ self.wo_b.t()
 
 
@@ -113,7 +114,7 @@ class DSv41Mini(nn.Module):
             if i == cfg.cut + 1:  # decoder-replay boundary (SPEC §2)
                 hidden, residual, post, comb = state
                 hidden, residual, pre, post, comb, positions = replay_begin(
-                    hidden, residual, pre, post, comb, positions)
+                    hidden, residual, pre, post, comb, positions, window=cfg.window)
                 cos, sin = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
                 state = (hidden, residual, post, comb)
             state, pre = self._sublayer(blk.attn_hc, lambda u: blk.attn(u, cos, sin), state, pre)

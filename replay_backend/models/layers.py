@@ -78,7 +78,7 @@ class HyperConnection(nn.Module):
 def hc_merge(hidden: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor) -> torch.Tensor:
     """``new[j] = post[j] * hidden + sum_i comb[i, j] * residual[i]`` (fp32 mix)."""
-    mixed = torch.einsum("tij,tih->tjh", comb, residual.float())
+    mixed = torch.matmul(comb.transpose(1, 2), residual.float())
     return (post[..., None] * hidden.float()[:, None, :] + mixed).to(residual.dtype)
 
 

@@ -1,0 +1,60 @@
+"""Split a graph at its splitting ops (attention, the trim op), keeping original order.
+
+Every splitting op becomes a one-node piece that runs eagerly between the compiled
+pieces; everything between two splitting ops becomes one graph piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from .common import is_op, layers_of, op_name
+
+
+@dataclass
+class PieceInfo:
+    """One piece of a split graph, as shown by ``inspect`` (SPEC §8)."""
+
+    name: str  # submodule name in the split graph
+    kind: str  # "graph" | "attention" | "replay"
+    layers: list[int] = field(default_factory=list)
+    num_ops: int = 0
+    op: str | None = None  # the splitting op, for attention / replay pieces
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "layers": self.layers,
+                "num_ops": self.num_ops, "op": self.op}
+
+
+def split_at_ops(gm: fx.GraphModule, splitting_ops, replay_op: str | None = None
+                 ) -> tuple[fx.GraphModule, list[PieceInfo]]:
+    splitting_ops = set(splitting_ops) | ({replay_op} if replay_op else set())
+    part: dict[fx.Node, int] = {}
+    pid = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if is_op(node, splitting_ops):
+            pid += 1
+            part[node] = pid
+            pid += 1
+        else:
+            part[node] = pid
+    split = split_module(gm, None, lambda n: part[n], keep_original_order=True)
+
+    infos = []
+    by_part: dict[int, list[fx.Node]] = {}
+    for node, p in part.items():
+        by_part.setdefault(p, []).append(node)
+    for node in split.graph.nodes:
+        if node.op != "call_module":
+            continue
+        nodes = by_part[int(node.target.split("_")[-1])]
+        split_op = next((op_name(n.target) for n in nodes if is_op(n, splitting_ops)), None)
+        kind = "graph" if split_op is None else ("replay" if split_op == replay_op else "attention")
+        layers = sorted(set().union(*(layers_of(n) for n in nodes)))
+        ops = sum(1 for n in nodes if n.op in ("call_function", "call_method", "call_module"))
+        infos.append(PieceInfo(node.target, kind, layers, ops, split_op))
+    return split, infos

@@ -1,0 +1,177 @@
+"""The ``dsv41_replay`` torch.compile backend: trace -> split -> compile -> graphs -> dispatch.
+
+``torch.compile(model, backend="dsv41_replay", options={...})`` finds this module
+through the ``torch_dynamo_backends`` entry point. :class:`ReplayBackend` is the same
+thing as an object, for runners that need to reach the compiled model (capture,
+inspection) and to make recompiles after warm-up an error.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import fx
+
+from replay_backend.passes.region import TRIM, ReplayRegionError, extract_replay_region
+from replay_backend.passes.split import split_at_ops
+
+from . import torch_compat
+from .config import ReplayConfig
+from .counters import counters
+from .models.attention_ops import ATTENTION_OPS
+from .plan import SplitPlan
+from .runtime.compiled import CompiledReplayModel
+from .runtime.graphs import GraphLevel, GraphResources, PieceRunner
+from .runtime.trim_op import ReplayRuntime
+
+log = logging.getLogger("replay_backend")
+
+# Ops that write global KV: they must not appear after the cut.
+KV_SOURCE_OPS = ("dsv41::source_attention",)
+
+
+class ReplayBackend:
+    def __init__(self, config: ReplayConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise ValueError("pass either a ReplayConfig or options, not both")
+        self.config = config if config is not None else ReplayConfig.from_options(options)
+        self.compiled: list[CompiledReplayModel] = []
+        self.frozen = False
+
+    @property
+    def model(self) -> CompiledReplayModel:
+        if not self.compiled:
+            raise RuntimeError("nothing compiled yet: run one step through the compiled model first")
+        return self.compiled[-1]
+
+    def freeze(self) -> None:
+        """Warm-up is over: a further graph (a recompile) is an error."""
+        self.frozen = True
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> CompiledReplayModel:
+        counters.graphs_seen += 1
+        if self.compiled:
+            counters.recompiles += 1
+            if self.frozen:
+                raise RuntimeError(
+                    "dsv41_replay: recompile after warm-up. The model must trace once, dynamic only "
+                    "in the token count (mark the token dimension dynamic; see docs/debugging.md)")
+            log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
+        model = build(gm, example_inputs, self.config)
+        self.compiled.append(model)
+        return model
+
+
+def dsv41_replay(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
+                 options: dict | None = None) -> CompiledReplayModel:
+    """Entry point registered as ``torch_dynamo_backends: dsv41_replay``."""
+    return ReplayBackend(ReplayConfig.from_options(options, mode))(gm, example_inputs)
+
+
+def _token_inputs(gm: fx.GraphModule, fake_inputs: list) -> tuple[list[int], list[int]]:
+    tokens, syms = [], []
+    for i, x in enumerate(fake_inputs):
+        if torch_compat.is_symint(x):
+            syms.append(i)
+        elif isinstance(x, torch.Tensor):
+            dims = torch_compat.symbolic_dims(x)
+            if dims and dims != [0]:
+                raise ValueError(f"graph input {i} is dynamic in dims {dims}: dsv41_replay supports "
+                                 "graphs dynamic only in the token count (dim 0)")
+            if dims:
+                tokens.append(i)
+    return tokens, syms
+
+
+class _Compiler(torch.fx.Interpreter):
+    """Runs a split graph on fake inputs and compiles each graph piece with the inputs it
+    sees (vLLM's piecewise-compile idea); splitting-op pieces stay eager."""
+
+    def __init__(self, split: fx.GraphModule, infos, cfg: ReplayConfig, level: GraphLevel,
+                 res: GraphResources, on_trim=None) -> None:
+        super().__init__(split)
+        self.infos = {p.name: p for p in infos}
+        self.cfg, self.level, self.res, self.on_trim = cfg, level, res, on_trim
+
+    def call_module(self, target, args, kwargs):
+        out = super().call_module(target, args, kwargs)
+        info = self.infos[target]
+        counters.pieces[info.kind] += 1
+        if info.kind == "replay" and self.on_trim is not None:
+            self.on_trim(_trim_call_args(self.fetch_attr(target), args))
+        if info.kind != "graph":
+            return out
+        sub = self.fetch_attr(target)
+        fn = sub if self.cfg.compiler == "eager" else torch_compat.inductor_compile(
+            sub, list(args), self.cfg.inductor_mode)
+        counters.compilations += 1
+        self.module._modules[target] = PieceRunner(target, fn, self.level, self.res)
+        return out
+
+
+def _trim_call_args(piece: fx.GraphModule, args) -> tuple[list, list]:
+    """The (rows, consts) values the trim op receives inside its one-op piece."""
+    env = dict(zip((n for n in piece.graph.nodes if n.op == "placeholder"), args))
+    call = next(n for n in piece.graph.nodes if n.op == "call_function" and n.args and n.args[-1] == 0
+                and isinstance(n.args[0], (list, tuple)))
+    rows, consts = fx.map_arg((call.args[0], call.args[1]), lambda n: env[n])
+    return list(rows), list(consts)
+
+
+def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> CompiledReplayModel:
+    fake_mode = torch_compat.detect_fake_mode(example_inputs)
+    fake_inputs = torch_compat.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
+    token_inputs, sym_inputs = _token_inputs(gm, fake_inputs)
+    graphs = cfg.graphs_enabled and bool(token_inputs)
+    use_cuda = graphs and any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
+    res = GraphResources(use_cuda=use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses)
+    main_sizes = cfg.capture_sizes() if graphs else []
+
+    region, off_reason = None, None
+    if not cfg.decoder_replay:
+        off_reason = "decoder_replay=false"
+    else:
+        try:
+            region = extract_replay_region(gm, cfg.splitting_ops, KV_SOURCE_OPS)
+            if region is None:
+                off_reason = "no replay boundary markers in the graph"
+        except ReplayRegionError as e:
+            off_reason = str(e)
+            res.fallback("replay_region_unsupported", off_reason)
+    window = region.window if region is not None else None
+    if region is not None:
+        cfg.check_window(window)
+
+    main_level = GraphLevel("main", main_sizes)
+    split, main_infos = split_at_ops(gm, cfg.splitting_ops, TRIM if region is not None else None)
+    replay = None
+    replay_infos = []
+    replay_sizes = cfg.replay_capture_sizes(window) if region is not None and graphs else []
+    if region is not None:
+        rsplit, replay_infos = split_at_ops(region.graph, cfg.splitting_ops)
+        below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
+            if cfg.cudagraph_decoder_replay else main_sizes
+        rlevel = GraphLevel("replay", sorted(set(replay_sizes) | set(below)))
+        replay = ReplayRuntime(rsplit, cfg, window, rlevel, replay_sizes, res)
+
+        def compile_region(trim_args):
+            rows, consts = trim_args
+            _Compiler(rsplit, replay_infos, cfg, rlevel, res).run(rows[0].shape[0], *rows, *consts)
+    else:
+        compile_region = None
+
+    ctx = fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
+    with ctx:
+        _Compiler(split, main_infos, cfg, main_level, res, compile_region).run(*fake_inputs)
+
+    replay_layers = sorted(set().union(*(p.layers for p in replay_infos))) if replay_infos else []
+    for p in main_infos:
+        if p.kind == "replay":
+            p.layers = replay_layers
+    plan = SplitPlan(window, cfg.decoder_replay_trim_threshold,
+                     [replay_layers[0], replay_layers[-1]] if replay_layers else None,
+                     main_sizes, replay_sizes, main_infos, replay_infos, off_reason, cfg.as_dict())
+    log.info("dsv41_replay config: %s", cfg.as_dict())
+    log.info("dsv41_replay split plan:\n%s", plan.render())
+    return CompiledReplayModel(split, cfg, plan, main_level, replay, token_inputs, sym_inputs, res)

@@ -1,0 +1,59 @@
+"""Counters of what the backend did, for tests and debugging (SPEC §8).
+
+``counters.expect(trims=1, captures={"replay": 2})`` is a context manager that checks
+the counters moved by exactly those deltas inside its block (keys not named must not
+move unless ``strict=False``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass
+class Counters:
+    graphs_seen: int = 0  # FX graphs handed to the backend
+    compilations: int = 0  # pieces compiled
+    recompiles: int = 0  # graphs after the first one of a backend instance
+    pieces: Counter = field(default_factory=Counter)  # by kind: graph / attention / replay
+    captures: Counter = field(default_factory=Counter)  # by runner: main / replay
+    trims: int = 0  # steps whose trim op ran the replay region on the replay rows
+    untrimmed: int = 0  # steps whose trim op ran the region on the whole batch
+    replay_dispatch: Counter = field(default_factory=Counter)  # by padded size ("eager" above)
+    fallbacks: Counter = field(default_factory=Counter)  # by reason
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def snapshot(self) -> dict:
+        return {k: (dict(v) if isinstance(v, Counter) else v) for k, v in vars(self).items()}
+
+    @contextlib.contextmanager
+    def expect(self, strict: bool = True, **deltas) -> Iterator[None]:
+        unknown = set(deltas) - set(vars(self))
+        if unknown:
+            raise ValueError(f"unknown counter(s) {sorted(unknown)}; known: {sorted(vars(self))}")
+        before = copy.deepcopy(vars(self))
+        yield
+        problems = []
+        for name, now in vars(self).items():
+            was = before[name]
+            if isinstance(now, Counter):
+                got = {k: v for k, v in (now - was).items() if v}
+                want = {k: v for k, v in dict(deltas.get(name, {})).items() if v}
+                if name in deltas or strict:
+                    if got != want:
+                        problems.append(f"{name}: expected +{want}, got +{got}")
+            else:
+                got = now - was
+                if name in deltas or (strict and got):
+                    if got != deltas.get(name, 0):
+                        problems.append(f"{name}: expected +{deltas.get(name, 0)}, got +{got}")
+        if problems:
+            raise AssertionError("counter mismatch: " + "; ".join(problems))
+
+
+counters = Counters()

@@ -1,0 +1,130 @@
+"""The callable the backend returns: pads each step, dispatches main graphs, captures.
+
+Inputs whose first dimension is the token count are copied into persistent buffers
+sliced to the padded size (SPEC §7: captured pieces read stable addresses); symbolic
+token-count arguments are replaced by the padded size.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import fx
+
+from ..config import ReplayConfig, padded_size
+from ..forward_context import StepInfo, get_forward_context, has_forward_context
+from .graphs import GraphLevel, GraphResources, PieceRunner
+from .trim_op import ReplayRuntime
+
+log = logging.getLogger("replay_backend")
+
+
+class CompiledReplayModel:
+    def __init__(self, split_gm: fx.GraphModule, cfg: ReplayConfig, plan, main_level: GraphLevel,
+                 replay: ReplayRuntime | None, token_inputs: list[int], sym_inputs: list[int],
+                 res: GraphResources) -> None:
+        self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
+        self.main_level, self.replay, self.res = main_level, replay, res
+        self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.serving = False
+
+    # ---- pieces ---------------------------------------------------------------------
+    def runners(self, level: str) -> list[PieceRunner]:
+        gm = self.split_gm if level == "main" else (self.replay.region if self.replay else None)
+        return [m for m in gm.children() if isinstance(m, PieceRunner)] if gm is not None else []
+
+    def captured_sizes(self, level: str) -> list[int]:
+        return sorted(set().union(*(r.graphs.keys() for r in self.runners(level)))) \
+            if self.runners(level) else []
+
+    # ---- one step -------------------------------------------------------------------
+    def __call__(self, *args):
+        if not self.token_inputs:
+            return self.split_gm(*args)
+        t = args[self.token_inputs[0]].shape[0]
+        tp = padded_size(self.main_level.sizes, t) if self.main_level.sizes else None
+        step = StepInfo("piecewise" if tp is not None else "eager", t, tp if tp is not None else t)
+        if has_forward_context():
+            ctx = get_forward_context()
+            ctx.step, ctx.replay_runtime = step, self.replay
+        if tp is None:
+            return self.split_gm(*args)
+        new = list(args)
+        for i in self.token_inputs:
+            x = args[i]
+            if x.shape[0] != t:
+                raise ValueError(f"input {i} has {x.shape[0]} rows, expected the token count {t}")
+            buf = self.buffers.get(i)
+            if buf is None:
+                buf = self.buffers[i] = torch.zeros((max(self.main_level.sizes), *x.shape[1:]),
+                                                    dtype=x.dtype, device=x.device)
+            buf[:t].copy_(x)
+            buf[t:tp].zero_()  # padded rows: valid token 0 at position 0, writes go to the pad slot
+            new[i] = buf[:tp]
+        for i in self.sym_inputs:
+            new[i] = tp
+        self.main_level.size = tp
+        try:
+            out = self.split_gm(*new)
+        finally:
+            self.main_level.size = None
+        # The outputs live in graph memory that the next step overwrites.
+        return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out)
+
+    # ---- capture --------------------------------------------------------------------
+    def capture(self, run_main_step, replay_view_for) -> dict:
+        """Capture every main size, then every replay size, largest first (SPEC §7).
+
+        ``run_main_step(n)`` runs one dummy step of ``n`` tokens through the compiled
+        model (the runner knows how to build one); ``replay_view_for(n)`` builds a dummy
+        replay batch view of ``n`` rows. Returns a per-runner summary.
+        """
+        if self.serving:
+            raise RuntimeError("graphs cannot be captured once serving started")
+        summary = {}
+        stages = [("main", self.main_level.sizes, run_main_step)]
+        if self.replay is not None and self.replay.level.sizes:
+            stages.append(("replay", self.replay.level.sizes, self.replay.capture))
+        for name, sizes, fn in stages:
+            free0 = _gpu_free()
+            t0 = time.perf_counter()
+            if self.replay is not None:
+                self.replay.capture_phase = name == "main"
+            try:
+                for n in _progress(sorted(sizes, reverse=True), name):
+                    fn(n) if name == "main" else fn(n, replay_view_for(n))
+            finally:
+                if self.replay is not None:
+                    self.replay.capture_phase = False
+            secs = time.perf_counter() - t0
+            gib = max(0.0, (free0 - _gpu_free()) / 2 ** 30)
+            graphs = sum(len(r.graphs) for r in self.runners(name))
+            summary[name] = {"sizes": len(sizes), "graphs": graphs, "seconds": secs, "gib": gib}
+            log.info("captured %s graphs: %d sizes, %d graphs, %.2f s, %.3f GiB", name, len(sizes),
+                     graphs, secs, gib)
+        return summary
+
+    def start_serving(self) -> None:
+        """No capture from now on: an uncaptured size is a counted fallback."""
+        self.serving = True
+        self.main_level.may_capture = False
+        if self.replay is not None:
+            self.replay.level.may_capture = False
+
+
+def _gpu_free() -> int:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+    return 0
+
+
+def _progress(items, name):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return items
+    return tqdm(items, desc=f"capture {name} graphs", unit="size", leave=False,
+                disable=not torch.cuda.is_available())

@@ -1,0 +1,140 @@
+"""Per-size graph runners for graph pieces (SPEC §6-§7).
+
+A :class:`GraphLevel` is one dispatch level (the main graph, or the replay region): the
+padded size it runs at now, or ``None`` for a step without graphs. Each compiled piece
+is wrapped in a :class:`PieceRunner` that keeps one :class:`StaticGraph` per size.
+
+On CUDA a StaticGraph is a ``torch.cuda.CUDAGraph`` captured on the shared stream and
+pool. Without CUDA it is emulated faithfully: it keeps the inputs seen at capture and
+on every replay recomputes from *those* tensors and copies into the *same* outputs, so
+a protocol bug (an eager op that allocates, a moved input) shows up on CPU as stale
+data exactly as it would on a GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..counters import counters
+
+log = logging.getLogger("replay_backend")
+
+
+class StrictFallbackError(RuntimeError):
+    """A fallback happened while ``strict=True``."""
+
+
+@dataclass
+class GraphResources:
+    """What main and replay graphs share: one pool, one capture stream (SPEC §7)."""
+
+    use_cuda: bool
+    strict: bool = False
+    check_every_replay: bool = False
+    pool: Any = None
+    stream: Any = None
+    _logged: set = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.use_cuda:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream()
+
+    def fallback(self, reason: str, detail: str) -> None:
+        """Count a fallback, log it once per reason, or raise when strict."""
+        counters.fallbacks[reason] += 1
+        if self.strict:
+            raise StrictFallbackError(f"{reason}: {detail} (strict=True turns fallbacks into errors)")
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("dsv41_replay fallback [%s]: %s", reason, detail)
+
+
+@dataclass
+class GraphLevel:
+    name: str  # "main" | "replay"
+    sizes: list[int]
+    size: int | None = None  # padded size of the running step; None = run pieces directly
+    may_capture: bool = True  # False once serving started: no capture afterwards
+
+    def captured_sizes(self, runners) -> list[int]:
+        return sorted(set().union(*(r.graphs.keys() for r in runners))) if runners else []
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+class StaticGraph:
+    def __init__(self, name: str, fn: Callable, args: tuple, res: GraphResources) -> None:
+        self.name, self.fn, self.res = name, fn, res
+        self.inputs = args
+        self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        self.replays = 0
+        if res.use_cuda:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=res.pool, stream=res.stream):
+                self.outputs = fn(*args)
+        else:
+            self.graph = None
+            self.outputs = fn(*args)
+
+    def check_inputs(self, args: tuple) -> None:
+        for i, (a, want) in enumerate(zip(args, self.addresses)):
+            got = a.data_ptr() if isinstance(a, torch.Tensor) else a
+            if got != want:
+                raise RuntimeError(
+                    f"{self.name}: input {i} changed since capture ({want!r} -> {got!r}); the graph "
+                    "would read stale memory. Every eager op between pieces must write into a "
+                    "buffer allocated by the preceding piece (SPEC §7).")
+
+    def replay(self, args: tuple):
+        if self.replays == 0 or self.res.check_every_replay:
+            self.check_inputs(args)
+        self.replays += 1
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            fresh = self.fn(*self.inputs)
+            for dst, src in zip(_tensors(self.outputs), _tensors(fresh)):
+                dst.copy_(src)
+        return self.outputs
+
+
+class PieceRunner(nn.Module):
+    """A compiled piece, run directly or through its graph for the level's current size."""
+
+    def __init__(self, name: str, fn: Callable, level: GraphLevel, res: GraphResources) -> None:
+        super().__init__()
+        self.name, self.fn, self.level, self.res = name, fn, level, res
+        self.graphs: dict[int, StaticGraph] = {}
+        self._warm: set[int] = set()
+
+    def forward(self, *args):
+        size = self.level.size
+        if size is None:
+            return self.fn(*args)
+        graph = self.graphs.get(size)
+        if graph is None:
+            if not self.level.may_capture:
+                self.res.fallback("uncaptured_size", f"{self.level.name} graph for size {size} was not "
+                                  "captured before serving; running the piece without a graph")
+                return self.fn(*args)
+            if size not in self._warm:  # compilation, autotuning, first kernel loads
+                self.fn(*args)
+                self._warm.add(size)
+            graph = StaticGraph(f"{self.level.name}:{self.name}[{size}]", self.fn, args, self.res)
+            self.graphs[size] = graph
+            counters.captures[self.level.name] += 1
+        return graph.replay(args)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name}, level={self.level.name}, captured={sorted(self.graphs)}"

@@ -1,0 +1,119 @@
+"""The trim-and-redispatch op and the replay-region runtime behind it (SPEC §4-§6).
+
+The op sits in the main graph where the replay region was. Per step it decides
+whether to trim (SPEC §5), gathers the replay rows into static buffers, pads them to a
+replay capture size, runs the region (its pieces in replay graphs, attention eager on
+the replay batch), and writes the results into ``outs``, which the preceding piece
+allocated so the next piece reads a stable address.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import ReplayConfig, padded_size
+from ..counters import counters
+from ..forward_context import get_forward_context
+from .graphs import GraphLevel, GraphResources
+
+
+@dataclass(frozen=True)
+class TrimRecord:
+    """What the trim op did in one step (``StepOutput.trim``, ``verify --json``)."""
+
+    trimmed: bool
+    rows: int  # rows the region ran on (before padding)
+    padded: int | None  # replay graph size, None when the region ran without graphs
+    graph: bool
+
+
+@torch.library.custom_op("dsv41_replay::trim_and_redispatch", mutates_args=("outs",))
+def trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
+                        outs: list[torch.Tensor], region: int) -> None:
+    runtime = get_forward_context().replay_runtime
+    if runtime is None:
+        raise RuntimeError("trim_and_redispatch ran outside a dsv41_replay compiled model")
+    runtime(rows, consts, outs)
+
+
+@trim_and_redispatch.register_fake
+def _(rows, consts, outs, region):
+    return None
+
+
+class ReplayRuntime:
+    def __init__(self, region: nn.Module, cfg: ReplayConfig, window: int, level: GraphLevel,
+                 replay_sizes: list[int], res: GraphResources) -> None:
+        self.region, self.cfg, self.window = region, cfg, window
+        self.level, self.res = level, res
+        self.replay_sizes = replay_sizes  # sizes a trimmed step pads to
+        self.buffers: list[torch.Tensor] | None = None
+        self.consts: list[torch.Tensor] | None = None
+        self.capture_phase = False  # main graphs are being captured: run the region directly
+
+    def _static_inputs(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.buffers is None:
+            n = max(self.level.sizes)
+            self.buffers = [torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in rows]
+        return self.buffers
+
+    def run_region(self, inputs, consts, size: int | None):
+        self.level.size = size
+        try:
+            return self.region(inputs[0].shape[0], *inputs, *consts)
+        finally:
+            self.level.size = None
+
+    def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        ctx = get_forward_context()
+        batch, step = ctx.batch, ctx.step
+        self.consts = consts
+        if self.level.sizes:
+            self._static_inputs(rows)
+        piecewise = step is not None and step.kind == "piecewise"
+        if piecewise:
+            trim = self.cfg.cudagraph_decoder_replay and step.padded_tokens >= self.cfg.decoder_replay_trim_threshold
+        else:
+            trim = batch.has_trimmable_rows
+        rep = batch.replay
+        n = rep.num_rows if trim else rows[0].shape[0]
+        if self.capture_phase or not self.level.sizes:
+            size = None
+        elif trim:
+            size = padded_size(self.replay_sizes, n)
+        else:
+            size = n if piecewise and n in self.level.sizes else None
+        view = rep.view if trim else batch.view
+        with ctx.activate(view):
+            if size is None:
+                inputs = [x.index_select(0, rep.rows_t) for x in rows] if trim else rows
+                res = self.run_region(inputs, consts, None)
+            else:
+                bufs = [b[:size] for b in self._static_inputs(rows)]
+                for b, x in zip(bufs, rows):
+                    if trim:
+                        torch.index_select(x, 0, rep.rows_t, out=b[:n])
+                    else:
+                        b.copy_(x[:size])
+                res = self.run_region(bufs, consts, size)
+        for o, r in zip(outs, res):
+            if trim:
+                o.zero_()  # trimmed rows: zeros nobody reads, never stale data
+                o.index_copy_(0, rep.rows_t, r[:n])
+            else:
+                o.copy_(r[:o.shape[0]])
+        counters.trims += int(trim)
+        counters.untrimmed += int(not trim)
+        counters.replay_dispatch[size if size is not None else "eager"] += 1
+        ctx.last_trim = TrimRecord(trim, n, size, size is not None)
+
+    def capture(self, size: int, view) -> None:
+        """Capture the region's graphs for ``size`` on a dummy replay batch."""
+        if self.consts is None:
+            raise RuntimeError("run one step through the compiled model before capturing replay graphs")
+        bufs = [b[:size] for b in self.buffers]
+        ctx = get_forward_context()
+        with ctx.activate(view):
+            self.run_region(bufs, self.consts, size)

@@ -1,0 +1,47 @@
+"""Shared fixtures of the CPU test suite.
+
+The small config keeps every layer role of the real model at 8 layers:
+layer 0 SWA only, 1 a ratio-2 KV source, 2 a global layer reading source 1,
+3 the ratio-1 source (the cut), 4..7 the decoder replay layers. The window is 16,
+so prefills of a few dozen tokens already trim.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replay_backend.models import build_model, preset
+from replay_backend.runner import StepRunner
+
+WINDOW = 16
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 8
+
+
+def small_config():
+    return preset("tiny").with_layers(8, (1, 3)).replace(window=WINDOW)
+
+
+@pytest.fixture(scope="session")
+def cfg():
+    return small_config()
+
+
+@pytest.fixture(scope="session")
+def model(cfg):
+    torch.manual_seed(0)
+    m = build_model(cfg)  # float32 on CPU
+    assert next(m.parameters()).dtype == torch.float32
+    return m
+
+
+@pytest.fixture
+def make_runner(model):
+    """Factory of fresh runners (fresh, zeroed KV caches) over the shared model."""
+
+    def make(**kw) -> StepRunner:
+        kw.setdefault("max_num_seqs", MAX_NUM_SEQS)
+        kw.setdefault("max_model_len", MAX_MODEL_LEN)
+        return StepRunner(model, **kw)
+
+    return make

@@ -1,0 +1,339 @@
+"""Replay-batch construction (SPEC §3-§4) against hand-worked examples, and input validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replay_backend.batch import (
+    RequestChunk,
+    build_step_batch,
+    kept_len,
+    replay_floor,
+    replay_rows,
+)
+from replay_backend.batch_spec import parse_batch_spec
+from replay_backend.kv_cache import CacheLayout
+from replay_backend.models.config import ModelConfig, preset
+from replay_backend.runner import schedule_prefill
+
+R = RequestChunk
+
+
+def _tokens(reqs, fill=7):
+    return [[fill] * r.query_len for r in reqs]
+
+
+def _build(reqs, layout, window, blocks=None, **kw):
+    blocks = list(range(len(reqs))) if blocks is None else blocks
+    return build_step_batch(reqs, _tokens(reqs), blocks, layout, window, "cpu", **kw)
+
+
+def _list(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.tolist()]
+
+
+# --------------------------------------------------------------------------------------
+# SPEC §4's worked example
+# --------------------------------------------------------------------------------------
+SPEC_W = 128
+SPEC_REQS = [R("dec", 1, 700), R("pre", 250, 250), R("chunk", 60, 260)]
+
+
+def test_spec_example_rows_and_query_start_loc():
+    rows, qsl = replay_rows(SPEC_REQS, SPEC_W)
+    expected = [0] + list(range(123, 251)) + list(range(251, 311))
+    assert rows == expected
+    assert len(rows) == 189
+    assert qsl == [0, 1, 129, 189]
+    assert [kept_len(r, SPEC_W) for r in SPEC_REQS] == [1, 128, 60]
+
+
+def test_spec_example_floors():
+    assert [replay_floor(r, SPEC_W) for r in SPEC_REQS] == [0, 122, 0]
+
+
+def test_spec_example_step_batch():
+    layout = CacheLayout(max_model_len=1024, num_blocks=4)
+    blocks = [2, 0, 3]
+    base = [2048, 0, 3072]
+    ids = [[5], list(range(250)), list(range(100, 160))]
+    b = build_step_batch(SPEC_REQS, ids, blocks, layout, SPEC_W, "cpu")
+
+    assert b.num_tokens == 311
+    assert b.has_trimmable_rows
+    assert _list(b.input_ids) == [5] + list(range(250)) + list(range(100, 160))
+
+    pos = [699] + list(range(0, 250)) + list(range(200, 260))
+    assert _list(b.positions) == pos
+    assert b.view.query_start_loc == (0, 1, 251, 311)
+    assert b.view.seq_lens == (700, 250, 260)
+    assert b.view.kv_start == (0, 122, 0)
+    assert b.view.cache_base == tuple(base)
+
+    owner = [0] + [1] * 250 + [2] * 60
+    slots = [base[o] + p for o, p in zip(owner, pos)]
+    assert _list(b.view.slot_mapping) == slots
+    assert slots[0] == 2048 + 699 and slots[1] == 0 and slots[251] == 3072 + 200
+
+    pad = layout.num_slots // 2  # ratio-2 pad slot = last row of a [num_slots/2 + 1] cache
+    assert pad == 2048
+    comp = [base[o] // 2 + p // 2 if p % 2 else pad for o, p in zip(owner, pos)]
+    assert _list(b.view.comp_slot_mapping) == comp
+    # spot checks: decode at odd position 699 completes entry 349 of its block
+    assert comp[0] == 1024 + 349
+    assert comp[1] == pad and comp[2] == 0  # positions 0 (even) and 1 (odd) of block 0
+
+    assert _list(b.logits_indices) == [0, 250, 310]
+
+    rows = [0] + list(range(123, 251)) + list(range(251, 311))
+    rep = b.replay
+    assert rep.rows == tuple(rows)
+    assert rep.num_rows == 189
+    assert _list(rep.rows_t) == rows
+    assert _list(rep.positions) == [pos[i] for i in rows]
+    assert _list(rep.positions)[:3] == [699, 122, 123]
+    assert rep.view.num_tokens == 189
+    assert rep.view.query_start_loc == (0, 1, 129, 189)
+    assert rep.view.seq_lens == (700, 250, 260)
+    assert rep.view.kv_start == (0, 122, 0)
+    assert rep.view.cache_base == tuple(base)
+    assert _list(rep.view.slot_mapping) == [slots[i] for i in rows]
+    assert rep.view.comp_slot_mapping is None
+
+
+# --------------------------------------------------------------------------------------
+# Other compositions
+# --------------------------------------------------------------------------------------
+def test_keep_all_keeps_every_row_and_has_no_floor():
+    W = 16
+    reqs = [R("k", 40, 40, keep_all=True), R("p", 40, 40), R("k2", 30, 50, keep_all=True)]
+    rows, qsl = replay_rows(reqs, W)
+    assert rows == list(range(0, 40)) + list(range(64, 80)) + list(range(80, 110))
+    assert qsl == [0, 40, 56, 86]
+    assert [replay_floor(r, W) for r in reqs] == [0, 24, 0]
+    # keep_all ignores a prefix-cache start too: it keeps its normal windows
+    assert replay_floor(R("k", 40, 100, keep_all=True, kv_start=90), W) == 0
+
+
+def test_kv_start_sets_a_later_floor_only():
+    W = 16
+    assert replay_floor(R("a", 40, 100), W) == 84
+    assert replay_floor(R("a", 40, 100, kv_start=90), W) == 90  # later start wins
+    assert replay_floor(R("a", 40, 100, kv_start=50), W) == 84  # earlier start cannot widen
+    layout = CacheLayout(512, 2)
+    b = _build([R("a", 40, 100, kv_start=90), R("b", 20, 20)], layout, W)
+    assert b.view.kv_start == (90, 4)
+    assert b.replay.view.kv_start == (90, 4)
+    # the kept rows are still the last W rows
+    assert b.replay.rows == tuple(range(24, 40)) + tuple(range(44, 60))
+
+
+def test_decodes_and_speculative_decodes_keep_all_rows():
+    W = 16
+    layout = CacheLayout(512, 4)
+    reqs = [R("a", 1, 50), R("b", 3, 60), R("c", 16, 100), R("d", 2, 17)]
+    b = _build(reqs, layout, W)
+    assert b.replay.rows == tuple(range(22))
+    assert b.replay.view.query_start_loc == (0, 1, 4, 20, 22)
+    assert b.view.kv_start == (0, 0, 0, 0)
+    assert not b.has_trimmable_rows
+    assert _list(b.positions) == [49, 57, 58, 59] + list(range(84, 100)) + [15, 16]
+    assert _list(b.logits_indices) == [0, 3, 19, 21]
+
+
+def test_one_row_over_the_window_trims_one_row():
+    W = 16
+    layout = CacheLayout(512, 1)
+    b = _build([R("a", 17, 30)], layout, W)
+    assert b.has_trimmable_rows
+    assert b.replay.rows == tuple(range(1, 17))
+    assert b.view.kv_start == (14,)
+    assert _list(b.replay.positions) == list(range(14, 30))
+    assert _list(b.replay.view.slot_mapping) == list(range(14, 30))
+
+
+# --------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------
+LAYOUT = CacheLayout(512, 4)
+
+
+@pytest.mark.parametrize(
+    "reqs, match",
+    [
+        ([], "empty batch"),
+        ([R("a", 0, 5)], r"request 0 \(req_id='a'\): query_len must be >= 1, got 0"),
+        ([R("a", 4, 8), R("b", 6, 5)], r"request 1 \(req_id='b'\): seq_len=5 is shorter than query_len=6"),
+        ([R("a", 10, 513)], r"seq_len=513 exceeds the cache's max_model_len=512"),
+        ([R("a", 1, 5), R("a", 1, 7)], r"request 1 \(req_id='a'\): req_id appears twice"),
+        ([R("a", 30, 40, kv_start=40)], r"kv_start=40 must lie in \[0, seq_len=40\)"),
+        ([R("a", 30, 40, kv_start=-1)], r"kv_start=-1"),
+    ],
+)
+def test_bad_requests_raise(reqs, match):
+    with pytest.raises(ValueError, match=match):
+        _build(reqs, LAYOUT, 16)
+
+
+def test_too_many_tokens_for_budget():
+    with pytest.raises(ValueError, match=r"step has 49 tokens, more than max_num_batched_tokens=48"):
+        _build([R("a", 30, 30), R("b", 19, 19)], LAYOUT, 16, max_num_batched_tokens=48)
+    # exactly at the budget is fine
+    b = _build([R("a", 30, 30), R("b", 18, 18)], LAYOUT, 16, max_num_batched_tokens=48)
+    assert b.num_tokens == 48
+
+
+def test_token_id_count_mismatch():
+    reqs = [R("a", 3, 3), R("b", 4, 10)]
+    with pytest.raises(ValueError, match=r"request 1: 3 token ids for query_len=4"):
+        build_step_batch(reqs, [[1, 2, 3], [1, 2, 3]], [0, 1], LAYOUT, 16, "cpu")
+
+
+def test_block_count_mismatch():
+    with pytest.raises(ValueError, match=r"1 cache blocks for 2 requests"):
+        build_step_batch([R("a", 1, 3), R("b", 1, 3)], [[1], [2]], [0], LAYOUT, 16, "cpu")
+
+
+def test_runner_rejects_bad_steps(make_runner):
+    runner = make_runner(max_num_batched_tokens=48)
+    with pytest.raises(ValueError, match=r"seq_len=600 exceeds the cache's max_model_len=512"):
+        runner.step([R("a", 10, 600)])
+    with pytest.raises(ValueError, match=r"more than max_num_batched_tokens=48"):
+        runner.step([R("a", 49, 49)])
+    with pytest.raises(ValueError, match="empty batch"):
+        runner.step([])
+    # the rejected steps must not have claimed a cache block for "a"
+    assert runner.block_of("z") == 0
+    with pytest.raises(ValueError, match="eager_replay must be 'off' or 'parent', got 'trim'"):
+        runner.step([R("z", 4, 4)], eager_replay="trim")
+
+
+def test_runner_runs_out_of_blocks(make_runner):
+    runner = make_runner(max_num_seqs=2)
+    runner.build_batch([R("a", 1, 1), R("b", 1, 1)])
+    with pytest.raises(RuntimeError, match="no free cache block"):
+        runner.build_batch([R("c", 1, 1)])
+    runner.free("a")
+    assert runner.build_batch([R("c", 1, 1)]).view.cache_base == (0,)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_model_len=511, num_blocks=2), "positive even number, got 511"),
+        (dict(max_model_len=0, num_blocks=2), "positive even number, got 0"),
+        (dict(max_model_len=64, num_blocks=0), "num_blocks must be positive"),
+    ],
+)
+def test_cache_layout_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CacheLayout(**kw)
+
+
+def test_cache_layout_slots():
+    lay = CacheLayout(64, 3)
+    assert lay.num_slots == 192 and lay.pad_slot == 192
+    assert [lay.base(b) for b in range(3)] == [0, 64, 128]
+
+
+# --------------------------------------------------------------------------------------
+# ModelConfig validation
+# --------------------------------------------------------------------------------------
+TINY = preset("tiny")
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(num_layers=8, kv_source_layer_ids=(3, 1)), r"strictly increasing, got \[3, 1\]"),
+        (dict(num_layers=8, kv_source_layer_ids=(1, 1, 3)), "strictly increasing"),
+        (dict(num_layers=8, kv_source_layer_ids=(1, 8)), r"out of range for num_layers=8"),
+        (dict(num_layers=8, kv_source_layer_ids=(-1, 3)), "out of range"),
+        (dict(num_layers=8, kv_source_layer_ids=()), "at least one layer"),
+        (dict(num_heads=5, o_groups=2), "num_heads=5 is not a multiple of o_groups=2"),
+        (dict(rope_dim=31), "rope_dim=31 must be even"),
+        (dict(rope_dim=128, head_dim=64), "rope_dim=128"),
+        (dict(top_k=5, num_experts=4), r"top_k=5 must be in \[1, num_experts=4\]"),
+        (dict(window=0), "window must be positive"),
+    ],
+)
+def test_model_config_validation(changes, match):
+    with pytest.raises(ValueError, match="invalid ModelConfig: .*" + match):
+        TINY.replace(**changes)
+
+
+def test_with_layers_validates_too():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        TINY.with_layers(8, [3, 1])
+    assert TINY.with_layers(8, [1, 3]).kv_source_layer_ids == (1, 3)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        preset("huge")
+
+
+def test_default_config_is_valid():
+    assert ModelConfig().cut == 20
+
+
+# --------------------------------------------------------------------------------------
+# --batch mini-language
+# --------------------------------------------------------------------------------------
+def test_parse_batch_spec_good():
+    reqs = parse_batch_spec("d:1/700,p:250,p:60/260,k:140")
+    assert reqs == [
+        R("r0", 1, 700),
+        R("r1", 250, 250),
+        R("r2", 60, 260),
+        R("r3", 140, 140, keep_all=True),
+    ]
+    assert parse_batch_spec(" d:3/50 , k:20/40 ,") == [R("r0", 3, 50), R("r1", 20, 40, keep_all=True)]
+    assert parse_batch_spec("p:5/5") == [R("r0", 5, 5)]
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("", "no requests"),
+        (" , ,", "no requests"),
+        ("p:10,x:5", r"item 1 'x:5': expected KIND:Q\[/S\]"),
+        ("p:10,d:1", r"item 1 'd:1': a decode needs its sequence length"),
+        ("p:0", r"item 0 'p:0': need 1 <= Q <= S"),
+        ("p:5/3", r"item 0 'p:5/3': need 1 <= Q <= S"),
+        ("p:-1", r"item 0 'p:-1'"),
+        ("p:1/2/3", r"item 0 'p:1/2/3'"),
+        ("p 5", r"item 0 'p 5'"),
+        ("d:1/700,P:2", r"item 1 'P:2'"),
+    ],
+)
+def test_parse_batch_spec_bad(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_batch_spec(spec)
+
+
+# --------------------------------------------------------------------------------------
+# Chunked prefill schedule
+# --------------------------------------------------------------------------------------
+def test_schedule_prefill_hand_worked():
+    # 100 + 30 + 50 tokens with a budget of 48:
+    #   step 1: 48 of request 0; step 2: 48 more; step 3: its last 4, all 30 of
+    #   request 1, the first 14 of request 2; step 4: the other 36 of request 2.
+    assert schedule_prefill([100, 30, 50], 48) == [
+        [(0, 48, 48)],
+        [(0, 48, 96)],
+        [(0, 4, 100), (1, 30, 30), (2, 14, 14)],
+        [(2, 36, 50)],
+    ]
+
+
+def test_schedule_prefill_fits_and_exact_budget():
+    assert schedule_prefill([10, 20], 48) == [[(0, 10, 10), (1, 20, 20)]]
+    assert schedule_prefill([48, 48], 48) == [[(0, 48, 48)], [(1, 48, 48)]]
+    assert schedule_prefill([5], 2) == [[(0, 2, 2)], [(0, 2, 4)], [(0, 1, 5)]]
+    assert schedule_prefill([], 8) == []
+
+
+def test_schedule_prefill_bad_budget():
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be positive, got 0"):
+        schedule_prefill([4], 0)

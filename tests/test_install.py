@@ -1,0 +1,88 @@
+"""Packaging: ``passes/`` at the repo root is the subpackage ``replay_backend.passes``,
+in the editable install and in a normal wheel install alike."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_passes_is_a_subpackage_of_the_repo():
+    mod = importlib.import_module("replay_backend.passes")
+    assert mod.__name__ == "replay_backend.passes"
+    assert Path(mod.__file__).resolve() == (REPO_ROOT / "passes" / "__init__.py").resolve()
+    import replay_backend
+
+    assert Path(replay_backend.__file__).resolve().parent == (REPO_ROOT / "replay_backend").resolve()
+
+
+def _need_pip_wheel():
+    if importlib.util.find_spec("pip") is None:
+        pytest.skip("pip is not installed in this interpreter, cannot run `pip wheel`")
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools (the build backend) is not installed; `pip wheel "
+                    "--no-build-isolation` cannot build without it")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--help"], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"`pip wheel` is unavailable: {r.stderr.strip()[:200]}")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """Build a wheel of a copy of the repo (so the build leaves nothing in the work tree)."""
+    _need_pip_wheel()
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(REPO_ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
+        "tests", "out", ".whl"))
+    out = tmp / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"pip wheel failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    wheels = list(out.glob("dsv41_replay-*.whl"))
+    assert len(wheels) == 1, list(out.iterdir())
+    return wheels[0]
+
+
+def test_wheel_maps_passes_into_the_package(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "replay_backend/passes/__init__.py" in names
+    assert not [n for n in names if n.startswith("passes/")], "a top-level passes/ package leaked into the wheel"
+    for mod in ("replay_backend/__init__.py", "replay_backend/models/attention_ops.py",
+                "replay_backend/runtime/__init__.py", "replay_backend/cli.py"):
+        assert mod in names
+    assert not [n for n in names if n.startswith("tests/")]
+    ep = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    assert len(ep) == 1
+    text = zipfile.ZipFile(wheel).read(ep[0]).decode()
+    assert "replay-backend = replay_backend.cli:main" in text
+    assert "[torch_dynamo_backends]" in text
+
+
+def test_wheel_install_imports_passes(wheel, tmp_path):
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (target / "replay_backend" / "passes" / "__init__.py").is_file()
+    assert not (target / "passes").exists()
+    # import from the installed copy (PYTHONPATH precedes the editable finder), not the repo
+    env = dict(os.environ, PYTHONPATH=str(target))
+    code = "import replay_backend.passes as p, replay_backend as r; print(p.__file__); print(r.__file__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pfile, rfile = r.stdout.split()
+    assert Path(pfile).resolve() == (target / "replay_backend" / "passes" / "__init__.py").resolve()
+    assert Path(rfile).resolve() == (target / "replay_backend" / "__init__.py").resolve()
