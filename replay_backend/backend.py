@@ -106,7 +106,7 @@ class _Compiler(torch.fx.Interpreter):
         fn = sub if self.cfg.compiler == "eager" else torch_compat.inductor_compile(
             sub, list(args), self.cfg.inductor_mode)
         counters.compilations += 1
-        self.module._modules[target] = PieceRunner(target, fn, self.level, self.res)
+        self.module._modules[target] = PieceRunner(target, fn, self.level, self.res, source=sub)
         return out
 
 

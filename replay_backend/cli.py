@@ -8,10 +8,13 @@ import time
 
 import torch
 
+from .backend import ReplayBackend
 from .batch_spec import parse_batch_spec
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
+from .config import ReplayConfig
 from .models import PRESETS, build_model, preset
 from .runner import StepRunner
+from .verify import verify_step
 
 DEFAULT_BATCH = "d:1/300,p:250,p:60/260,k:140"
 
@@ -41,24 +44,106 @@ def cmd_demo(args) -> int:
           f"{cfg.replay_layers.start}..{cfg.replay_layers.stop - 1}; {device}, {dtype}")
     model = build_model(cfg, device, dtype)
     reqs = parse_batch_spec(args.batch)
-    runners = {m: StepRunner(model, max_num_seqs=len(reqs), max_model_len=args.max_model_len)
-               for m in ("off", "parent")}
-    for m, r in runners.items():
-        r.prefill_context(reqs)
+    opts = _parse_options(args.option)
+    if device == "cpu":
+        # Keep the CPU demo quick: plain FX pieces (Inductor takes minutes on 40 layers)
+        # and three main graph sizes, so the demo batch is a trimming PIECEWISE step.
+        for key, val in (("compiler", "eager"), ("cudagraph_capture_sizes", [128, 256, 512]),
+                         ("decoder_replay_trim_threshold", 256)):
+            opts.setdefault(key, val)
+    cfg_b = ReplayConfig.from_options(opts)
+    kw = dict(max_num_seqs=len(reqs), max_model_len=args.max_model_len)
+    runners = {"off": StepRunner(model, **kw), "parent": StepRunner(model, **kw),
+               "replay": StepRunner(model, backend=ReplayBackend(cfg_b), **kw)}
+    for r in runners.values():
+        r.prefill_context(reqs, forward=model)
     batch = runners["off"].build_batch(reqs)
     print(f"batch   : {args.batch}  ({batch.num_tokens} tokens, {len(reqs)} requests, "
           f"{batch.replay.num_rows} replay rows, floors {list(batch.view.kv_start)})")
+    _, ms = _timed(runners["replay"].capture)
+    print(f"options : {opts}")
+    print(f"capture : compiled ({cfg_b.compiler} pieces) and captured main + replay graphs in "
+          f"{ms / 1e3:.1f} s ({'CUDA graphs' if device.startswith('cuda') else 'emulated graphs on CPU'})")
     outs = {}
     for m, r in runners.items():
-        outs[m], ms = _timed(lambda: r.step(reqs, eager_replay=m))
-        print(f"mode    : eager {m:<7s} {ms:8.1f} ms")
-    err = max_abs_err(outs["off"].logits, outs["parent"].logits)
-    kv_err = max_abs_err_kv(runners["off"].kv, runners["parent"].kv, batch)
+        mode = m if m != "replay" else "off"
+        outs[m], ms = _timed(lambda: r.step(reqs, eager_replay=mode))
+        extra = ""
+        if m == "replay":
+            o = outs[m]
+            extra = (f"  ({o.step.kind} step, {o.step.padded_tokens} padded tokens, trimmed="
+                     f"{o.trim.trimmed}, replay rows {o.trim.rows} -> graph size {o.trim.padded})")
+        print(f"mode    : {'eager ' + m if m != 'replay' else 'compiled replay':<16s}{ms:8.1f} ms{extra}")
     tol = default_tolerance(dtype)
-    ok = err <= tol and kv_err <= tol
-    print(f"agree   : off vs parent: logits max|d| {err:.2e}, replay KV max|d| {kv_err:.2e} "
-          f"(tolerance {tol:.0e}) -> {'OK' if ok else 'MISMATCH'}")
+    ok = True
+    for m in ("parent", "replay"):
+        err = max_abs_err(outs["off"].logits, outs[m].logits)
+        kv_err = max_abs_err_kv(runners["off"].kv, runners[m].kv, batch)
+        good = err <= tol and kv_err <= tol
+        ok &= good
+        print(f"agree   : off vs {m:<7s}: logits max|d| {err:.2e}, replay KV max|d| {kv_err:.2e} "
+              f"(tolerance {tol:.0e}) -> {'OK' if good else 'MISMATCH'}")
     return 0 if ok else 1
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        low = text.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if "," in text:
+            return [_parse_value(t) for t in text.split(",") if t]
+        return text
+
+
+def _parse_options(items: list[str] | None) -> dict:
+    opts = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--option {item!r}: expected KEY=VALUE")
+        key, val = item.split("=", 1)
+        opts[key.strip()] = _parse_value(val.strip())
+    return opts
+
+
+def _model_for(args):
+    device, name, dtype = _device_defaults(args)
+    return build_model(preset(name), device, dtype), device, name
+
+
+def cmd_verify(args) -> int:
+    reqs = parse_batch_spec(args.batch)
+    cfg = ReplayConfig.from_options(_parse_options(args.option))
+    model, device, name = _model_for(args)
+    res = verify_step(model, reqs, cfg, capture=args.capture_all, tolerance=args.tolerance)
+    if args.json:
+        print(json.dumps({**res.as_dict(), "preset": name, "device": device, "batch": args.batch}))
+    else:
+        print(f"{args.batch}: {res.step_kind} step, {res.num_tokens} tokens (padded {res.padded_tokens}), "
+              f"trimmed={res.trimmed}, replay rows {res.replay_rows} -> "
+              f"{res.replay_padded if res.replay_padded is not None else 'eager'}"
+              f"{' (graph)' if res.replay_graph else ''}")
+        print(f"max|d| logits {res.max_abs_err_logits:.3e}, replay KV {res.max_abs_err_kv:.3e}, "
+              f"tolerance {res.tolerance:.0e}: {'OK' if res.ok else 'MISMATCH'}")
+    return 0 if res.ok else 1
+
+
+def cmd_inspect(args) -> int:
+    opts = _parse_options(args.option)
+    opts.setdefault("compiler", "eager")  # the split plan does not depend on the piece compiler
+    cfg = ReplayConfig.from_options(opts)
+    model, _, _ = _model_for(args)
+    backend = ReplayBackend(cfg)
+    runner = StepRunner(model, backend=backend, max_num_seqs=1, max_model_len=2 * model.cfg.window)
+    runner.run(runner.dummy_batch(model.cfg.window))  # one trace, no capture
+    compiled = backend.model
+    if args.dump:
+        from .dump import dump_compiled
+        dump_compiled(compiled, args.dump)
+    print(compiled.plan.to_json() if args.json else compiled.plan.render())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device")
     d.add_argument("--batch", default=DEFAULT_BATCH)
     d.add_argument("--max-model-len", type=int, default=1024)
+    d.add_argument("--option", action="append", metavar="KEY=VALUE")
     d.set_defaults(fn=cmd_demo)
+
+    v = sub.add_parser("verify", help="one step through the backend vs the eager oracle")
+    v.add_argument("--batch", required=True, help="e.g. 'd:1/700,p:250,p:60/260,k:140'")
+    v.add_argument("--preset", choices=sorted(PRESETS))
+    v.add_argument("--device")
+    v.add_argument("--option", action="append", metavar="KEY=VALUE")
+    v.add_argument("--json", action="store_true")
+    v.add_argument("--tolerance", type=float)
+    v.add_argument("--capture-all", action="store_true",
+                   help="capture every graph size first (default: capture the sizes used, on first use)")
+    v.set_defaults(fn=cmd_verify)
+
+    i = sub.add_parser("inspect", help="the split plan")
+    i.add_argument("--preset", choices=sorted(PRESETS))
+    i.add_argument("--device")
+    i.add_argument("--option", action="append", metavar="KEY=VALUE")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--dump", metavar="DIR", help="write every piece's readable code under DIR")
+    i.set_defaults(fn=cmd_inspect)
     return p
 
 

@@ -112,9 +112,11 @@ class StaticGraph:
 class PieceRunner(nn.Module):
     """A compiled piece, run directly or through its graph for the level's current size."""
 
-    def __init__(self, name: str, fn: Callable, level: GraphLevel, res: GraphResources) -> None:
+    def __init__(self, name: str, fn: Callable, level: GraphLevel, res: GraphResources,
+                 source: nn.Module | None = None) -> None:
         super().__init__()
         self.name, self.fn, self.level, self.res = name, fn, level, res
+        self.__dict__["source"] = source  # the piece's FX graph, for dumps (not a child module)
         self.graphs: dict[int, StaticGraph] = {}
         self._warm: set[int] = set()
 
@@ -128,12 +130,14 @@ class PieceRunner(nn.Module):
                 self.res.fallback("uncaptured_size", f"{self.level.name} graph for size {size} was not "
                                   "captured before serving; running the piece without a graph")
                 return self.fn(*args)
-            if size not in self._warm:  # compilation, autotuning, first kernel loads
-                self.fn(*args)
+            if self.res.use_cuda and size not in self._warm:
+                self.fn(*args)  # warm-up: compilation, autotuning, first kernel loads
                 self._warm.add(size)
             graph = StaticGraph(f"{self.level.name}:{self.name}[{size}]", self.fn, args, self.res)
             self.graphs[size] = graph
             counters.captures[self.level.name] += 1
+            if not self.res.use_cuda:
+                return graph.outputs  # the emulated capture already computed this step
         return graph.replay(args)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,243 @@
+"""Backend options and capture-size schedules (SPEC §5, §6, §8)."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+from torch import nn
+
+from replay_backend.config import (ReplayConfig, default_capture_sizes, default_replay_capture_sizes,
+                                   padded_size)
+from replay_backend.models.attention_ops import ATTENTION_OPS
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+# --------------------------------------------------------------------------------------
+# Defaults
+# --------------------------------------------------------------------------------------
+def test_defaults_match_the_spec():
+    cfg = ReplayConfig.from_options({})
+    assert cfg == ReplayConfig.from_options(None) == ReplayConfig()
+    assert cfg.decoder_replay_trim_threshold == 768
+    assert cfg.max_capture_size == 1024
+    assert cfg.max_num_seqs == 256
+    assert cfg.max_num_batched_tokens == 16384
+    assert cfg.cudagraph_mode == "piecewise" and cfg.graphs_enabled
+    assert cfg.compiler == "inductor"
+    assert cfg.cudagraph_decoder_replay is True and cfg.decoder_replay is True
+    assert cfg.strict is False
+    assert tuple(cfg.splitting_ops) == tuple(ATTENTION_OPS)
+    sizes = cfg.capture_sizes()
+    assert sizes == default_capture_sizes(1024)
+    assert sizes[-1] == 1024
+    # default PIECEWISE steps of 768..1024 tokens trim: those sizes exist
+    assert [s for s in sizes if s >= 768][0] == 768
+    # W=128: bound = min(1024, 256 * 128) = 1024
+    assert cfg.replay_capture_sizes(128) == [128, 256, 384, 512, 640, 768, 896, 1024]
+    d = cfg.as_dict()
+    assert d["decoder_replay_trim_threshold"] == 768 and d["compiler"] == "inductor"
+    assert isinstance(d["splitting_ops"], list)
+
+
+def test_max_capture_size_follows_explicit_sizes_and_token_budget():
+    assert ReplayConfig.from_options({"cudagraph_capture_sizes": [4, 64, 8]}).max_capture_size == 64
+    assert ReplayConfig.from_options({"max_num_batched_tokens": 512}).max_capture_size == 512
+    assert ReplayConfig.from_options({"max_cudagraph_capture_size": 96}).capture_sizes()[-1] == 96
+
+
+def test_mode_is_accepted_and_max_autotune_reaches_inductor():
+    for mode in (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs"):
+        ReplayConfig.from_options({}, mode)
+    assert ReplayConfig.from_options({}, "max-autotune").inductor_mode == "max-autotune"
+    assert ReplayConfig.from_options({}, "default").inductor_mode is None
+
+
+# --------------------------------------------------------------------------------------
+# Invalid options: ValueError naming the key
+# --------------------------------------------------------------------------------------
+BAD_OPTIONS = [
+    ({"bogus": 1}, "bogus"),
+    ({"inductor_mode": "max-autotune"}, "inductor_mode"),  # internal field, not an option
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_seqs": -3}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"decoder_replay_trim_threshold": 0}, "decoder_replay_trim_threshold"),
+    ({"decoder_replay_trim_threshold": 2.5}, "decoder_replay_trim_threshold"),
+    ({"decoder_replay_trim_threshold": True}, "decoder_replay_trim_threshold"),
+    ({"max_cudagraph_capture_size": 0}, "max_cudagraph_capture_size"),
+    ({"max_cudagraph_capture_size": "64"}, "max_cudagraph_capture_size"),
+    ({"max_cudagraph_capture_size": 4096, "max_num_batched_tokens": 2048}, "max_cudagraph_capture_size"),
+    ({"cudagraph_capture_sizes": [0, 8]}, "cudagraph_capture_sizes"),
+    ({"cudagraph_capture_sizes": [8, -1]}, "cudagraph_capture_sizes"),
+    ({"cudagraph_capture_sizes": []}, "cudagraph_capture_sizes"),
+    ({"cudagraph_capture_sizes": 8}, "cudagraph_capture_sizes"),
+    ({"cudagraph_capture_sizes": [8, 4096], "max_num_batched_tokens": 2048}, "cudagraph_capture_sizes"),
+    ({"cudagraph_capture_sizes": [8, 128], "max_cudagraph_capture_size": 64}, "cudagraph_capture_sizes"),
+    ({"decoder_replay_cudagraph_capture_sizes": [0]}, "decoder_replay_cudagraph_capture_sizes"),
+    ({"decoder_replay_cudagraph_capture_sizes": [128, 4096], "max_num_batched_tokens": 2048},
+     "decoder_replay_cudagraph_capture_sizes"),
+    ({"cudagraph_mode": "full"}, "cudagraph_mode"),
+    ({"cudagraph_mode": None}, "cudagraph_mode"),
+    ({"compiler": "aot_eager"}, "compiler"),
+    ({"cudagraph_decoder_replay": "yes"}, "cudagraph_decoder_replay"),
+    ({"cudagraph_decoder_replay": 1}, "cudagraph_decoder_replay"),
+    ({"decoder_replay": 0}, "decoder_replay"),
+    ({"strict": "false"}, "strict"),
+    ({"debug_check_addresses": None}, "debug_check_addresses"),
+    ({"splitting_ops": []}, "splitting_ops"),
+    ({"splitting_ops": ["not_an_op"]}, "splitting_ops"),
+]
+
+
+@pytest.mark.parametrize("options,key", BAD_OPTIONS, ids=[f"{k}-{i}" for i, (_, k) in enumerate(BAD_OPTIONS)])
+def test_invalid_options_raise_value_error_naming_the_key(options, key):
+    with pytest.raises(ValueError) as e:
+        ReplayConfig.from_options(options)
+    assert key in str(e.value)
+
+
+def test_bad_mode_raises_naming_mode():
+    with pytest.raises(ValueError, match="mode"):
+        ReplayConfig.from_options({}, mode="bogus")
+
+
+def test_threshold_must_exceed_the_window():
+    cfg = ReplayConfig.from_options({"decoder_replay_trim_threshold": 128})
+    for w in (128, 129, 1024):
+        with pytest.raises(ValueError, match="smaller graphs have nothing to trim") as e:
+            cfg.check_window(w)
+        assert "decoder_replay_trim_threshold" in str(e.value)
+    cfg.check_window(127)  # no error
+    ReplayConfig().check_window(128)
+
+
+def test_explicit_lists_are_sorted_and_deduped():
+    cfg = ReplayConfig.from_options({
+        "cudagraph_capture_sizes": [64, 8, 16, 8, 1, 64],
+        "decoder_replay_cudagraph_capture_sizes": (48, 16, 48, 32),
+        "decoder_replay_trim_threshold": 24,
+    })
+    assert cfg.capture_sizes() == [1, 8, 16, 64]
+    assert cfg.replay_capture_sizes(16) == [16, 32, 48]
+    assert cfg.max_capture_size == 64
+    # a comma-separated string is accepted for splitting_ops (CLI style)
+    ops = ReplayConfig.from_options({"splitting_ops": "a::b,c::d"}).splitting_ops
+    assert tuple(ops) == ("a::b", "c::d")
+
+
+def test_switches_turn_schedules_off():
+    assert ReplayConfig.from_options({"cudagraph_mode": "none"}).capture_sizes() == []
+    assert ReplayConfig.from_options({"cudagraph_mode": "none"}).replay_capture_sizes(16) == []
+    assert ReplayConfig.from_options({"cudagraph_decoder_replay": False}).replay_capture_sizes(16) == []
+    assert ReplayConfig.from_options({"decoder_replay": False}).replay_capture_sizes(16) == []
+    # explicit replay sizes do not bring replay graphs back when the switch is off
+    cfg = ReplayConfig.from_options({"cudagraph_decoder_replay": False,
+                                     "decoder_replay_cudagraph_capture_sizes": [16, 32]})
+    assert cfg.replay_capture_sizes(16) == []
+
+
+# --------------------------------------------------------------------------------------
+# Schedules and dispatch
+# --------------------------------------------------------------------------------------
+def test_default_replay_capture_sizes_w128_bound_1024():
+    assert default_replay_capture_sizes(128, 1024, 256) == [128, 256, 384, 512, 640, 768, 896, 1024]
+    # the bound is min(max capture size, max_num_seqs * W)
+    assert default_replay_capture_sizes(128, 4096, 8) == [128, 256, 384, 512, 640, 768, 896, 1024]
+
+
+def test_default_replay_capture_sizes_w128_bound_4096():
+    sizes = default_replay_capture_sizes(128, 4096, 256)
+    assert len(sizes) == 24
+    assert sizes == sorted(set(sizes))
+    assert sizes[0] == 128 and sizes[-1] == 4096
+    assert {2048, 2304, 4096} <= set(sizes)
+    below = [s for s in sizes if s <= 2048]
+    above = [s for s in sizes if s >= 2048]
+    assert below == list(range(128, 2049, 128))  # step W up to 16 * W
+    assert above == list(range(2048, 4097, 256))  # then 1/8 of [2048, 4096)
+
+
+def test_default_replay_capture_sizes_non_power_bound():
+    # max_num_seqs * W (3 * 16 = 48) below the max capture size (1024)
+    assert default_replay_capture_sizes(16, 1024, 3) == [16, 32, 48]
+    # a bound that is not a multiple of the step is still the last size
+    assert default_replay_capture_sizes(16, 40, 8) == [16, 32, 40]
+    # non-power max capture size
+    assert default_replay_capture_sizes(128, 1000, 256) == [128, 256, 384, 512, 640, 768, 896, 1000]
+    # the small test config: W=16, max capture 64, 4 sequences
+    assert default_replay_capture_sizes(16, 64, 4) == [16, 32, 48, 64]
+    # W=16 beyond 16*W: steps of 32 (1/8 of [256, 512)) then 64
+    sizes = default_replay_capture_sizes(16, 1024, 256)
+    assert sizes == list(range(16, 257, 16)) + list(range(288, 513, 32)) + list(range(576, 1025, 64))
+
+
+@pytest.mark.parametrize("sizes", [[16, 32, 48, 64], default_replay_capture_sizes(128, 4096, 256),
+                                   default_capture_sizes(1024)])
+def test_padded_size_dispatch(sizes):
+    top = max(sizes)
+    assert padded_size(sizes, 1) == min(sizes)
+    assert padded_size(sizes, top - 1) == top
+    assert padded_size(sizes, top) == top
+    assert padded_size(sizes, top + 1) is None
+    for s in sizes:
+        assert padded_size(sizes, s) == s
+    for a, b in zip(sizes, sizes[1:]):
+        assert padded_size(sizes, a + 1) == b
+    assert padded_size(list(reversed(sizes)), sizes[0]) == sizes[0]
+
+
+def test_default_capture_sizes():
+    sizes = default_capture_sizes(1024)
+    assert sizes[:5] == [1, 2, 4, 8, 16]
+    assert sizes[-1] == 1024
+    assert sizes == sorted(set(sizes))
+    assert [s for s in sizes if 8 <= s <= 256] == list(range(8, 257, 8))
+    assert [s for s in sizes if s >= 256] == list(range(256, 1025, 16))
+    assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert default_capture_sizes(100)[-2:] == [96, 100]  # the bound is always included
+    assert default_capture_sizes(3) == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------
+# Through torch.compile
+# --------------------------------------------------------------------------------------
+def test_entry_point_is_registered():
+    names = {e.name for e in importlib.metadata.entry_points(group="torch_dynamo_backends")}
+    assert "dsv41_replay" in names
+    assert "dsv41_replay" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def _tiny_module():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+
+
+def test_compile_with_unknown_option_raises_naming_it():
+    m = _tiny_module()
+    compiled = torch.compile(m, backend="dsv41_replay", options={"bogus": 1})
+    with pytest.raises(Exception) as e, torch.no_grad():
+        compiled(torch.randn(3, 4))
+    assert "bogus" in str(e.value)
+    assert isinstance(e.value, ValueError) or "ValueError" in str(e.value)
+
+
+def test_compile_with_bad_value_raises_naming_it():
+    m = _tiny_module()
+    compiled = torch.compile(m, backend="dsv41_replay", options={"cudagraph_mode": "full"})
+    with pytest.raises(Exception, match="cudagraph_mode"), torch.no_grad():
+        compiled(torch.randn(3, 4))
+
+
+def test_compile_by_name_runs_a_plain_model():
+    """A graph without markers or attention still runs (one piece, no replay region)."""
+    m = _tiny_module()
+    compiled = torch.compile(m, backend="dsv41_replay", options={"compiler": "eager"})
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x))

@@ -1,0 +1,473 @@
+"""Graph-shape tests of the FX passes on a toy model (SPEC §1, §5, §7).
+
+The toy model has the shape the passes care about and nothing else: a few layers, each
+with a row-local "attention" custom op that follows the out-argument protocol, and the
+replay boundary markers around the last layers. Its attention reads the row count of
+the view it is pointed at, like the real ops, so running the replay region on the
+replay batch is observable.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from replay_backend.backend import ReplayBackend
+from replay_backend.batch import RequestChunk as R
+from replay_backend.batch import build_step_batch
+from replay_backend.boundary import replay_begin, replay_end
+from replay_backend.counters import counters
+from replay_backend.forward_context import ForwardContext, get_forward_context, set_forward_context
+from replay_backend.kv_cache import CacheLayout
+from replay_backend.passes.region import (ReplayRegionError, extract_replay_region,
+                                          find_markers)
+
+TOY_ATTN = "toytest::attn"
+TOY_SRC = "toytest::src"
+W = 4  # the toy's window
+H = 8
+
+
+@torch.library.custom_op(TOY_ATTN, mutates_args=("out",))
+def toy_attn(q: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    n = get_forward_context().active.num_tokens
+    out[:n].copy_(q[:n] * 2 + layer)
+    out[n:].zero_()
+
+
+@toy_attn.register_fake
+def _(q, out, layer):
+    return None
+
+
+@torch.library.custom_op(TOY_SRC, mutates_args=("out",))
+def toy_src(q: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(q)
+
+
+@toy_src.register_fake
+def _(q, out):
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+# --------------------------------------------------------------------------------------
+# The toy model
+# --------------------------------------------------------------------------------------
+class ToyLayer(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.w = nn.Linear(H, H)
+        self.i = i
+
+    def forward(self, h, pos):
+        q = self.w(h) + pos[:, None].float() * 0.01
+        out = torch.empty_like(q)  # allocated by the preceding piece (SPEC §7)
+        torch.ops.toytest.attn(q, out, self.i)
+        return h + torch.tanh(out)
+
+
+class Toy(nn.Module):
+    """``num_layers`` layers; the replay region holds layers ``cut + 1 ..``; with
+    ``tail`` a row-local op follows ``replay_end``; ``region_body`` is extra work
+    inside the region (to make it invalid)."""
+
+    def __init__(self, num_layers=4, cut=1, tail=False, region_body=None, markers=True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(ToyLayer(i) for i in range(num_layers))
+        self.cut, self.tail, self.region_body, self.markers = cut, tail, region_body, markers
+
+    def forward(self, x, pos):
+        h = x + pos[:, None].float() * 0.1
+        for i, layer in enumerate(self.layers):
+            if self.markers and i == self.cut + 1:
+                h, pos = replay_begin(h, pos, window=W)
+                if self.region_body is not None:
+                    h = self.region_body(h)
+            h = layer(h, pos)
+        if self.markers:
+            (h,) = replay_end(h)
+        return h * 2 + 1 if self.tail else h
+
+
+LAYOUT = CacheLayout(128, 8)
+
+
+def toy_batch(reqs):
+    return build_step_batch(reqs, [[0] * r.query_len for r in reqs], list(range(len(reqs))),
+                            LAYOUT, W, "cpu")
+
+
+def toy_backend(**kw):
+    opts = dict(compiler="eager", splitting_ops=[TOY_ATTN], max_cudagraph_capture_size=16,
+                decoder_replay_trim_threshold=8, max_num_seqs=4)
+    opts.update(kw)
+    return ReplayBackend(**opts)
+
+
+def run_step(compiled, model, reqs, seed=0):
+    """One step through the compiled toy and the eager toy: (ctx, compiled out, eager out, batch)."""
+    b = toy_batch(reqs)
+    x = torch.randn(b.num_tokens, H, generator=torch.Generator().manual_seed(seed))
+    pos = b.positions.clone()
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    ctx = ForwardContext(b, None)
+    with torch.inference_mode():
+        with set_forward_context(ctx):
+            y = compiled(x, pos)
+        with set_forward_context(ForwardContext(b, None)):
+            ref = model(x, pos)
+    return ctx, y, ref, b
+
+
+def kinds(pieces):
+    return [p.kind for p in pieces]
+
+
+# A trimmed PIECEWISE step (11 tokens -> 16 >= threshold 8, 5 replay rows -> 8), an
+# untrimmed one (3 -> 4), an eager trimmed one (20 > 16 tokens) and an eager step with
+# nothing to trim (five 4-token requests).
+STEPS = [
+    ([R("a", 10, 10), R("b", 1, 5)], "piecewise", 16, True, 5, 8),
+    ([R("a", 3, 3)], "piecewise", 4, False, 4, 4),
+    ([R("a", 20, 20)], "eager", 20, True, 4, 4),
+    ([R(c, 4, 4) for c in "abcde"], "eager", 20, False, 20, None),
+]
+
+
+@pytest.mark.parametrize("cut", [-1, 1, 2])
+@pytest.mark.parametrize("tail", [False, True])
+def test_toy_split_plan_and_trim_op_position(cut, tail):
+    model = Toy(4, cut, tail).eval()
+    be = toy_backend()
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    with counters.expect(strict=False, graphs_seen=1, recompiles=0, pieces={
+            "graph": (cut + 2) + (4 - cut - 1 + 1) + int(tail), "attention": 4, "replay": 1}):
+        run_step(compiled, model, STEPS[0][0])
+    plan = be.model.plan
+
+    n_main_attn = cut + 1
+    want_main = ["graph", "attention"] * n_main_attn + ["graph", "replay"] + (["graph"] if tail else [])
+    want_replay = ["graph", "attention"] * (4 - n_main_attn) + ["graph"]
+    assert kinds(plan.main_pieces) == want_main
+    assert kinds(plan.replay_pieces) == want_replay
+    want_counts = {"graph": n_main_attn + 1 + int(tail), "attention": n_main_attn, "replay": 1}
+    assert plan.pieces_by_kind("main") == {k: v for k, v in want_counts.items() if v}
+    assert plan.pieces_by_kind("replay") == {"graph": 4 - n_main_attn + 1, "attention": 4 - n_main_attn}
+    assert plan.replay_layers == [cut + 1, 3]
+    assert plan.window == W and plan.replay_off_reason is None
+    assert plan.capture_sizes == [1, 2, 4, 8, 16]
+    assert plan.replay_capture_sizes == [4, 8, 12, 16]  # W .. min(16, 4 * W)
+
+    # The trim op sits where the region was: after the last main attention layer,
+    # covering exactly the replay layers, and the attention pieces on each side of it
+    # cover the layers before / after the cut, in order.
+    replay = [p for p in plan.main_pieces if p.kind == "replay"]
+    assert len(replay) == 1
+    assert replay[0].op == "dsv41_replay::trim_and_redispatch"
+    assert replay[0].layers == list(range(cut + 1, 4))
+    assert [p.layers for p in plan.main_pieces if p.kind == "attention"] == [[i] for i in range(cut + 1)]
+    assert [p.layers for p in plan.replay_pieces if p.kind == "attention"] == [[i] for i in range(cut + 1, 4)]
+    assert all(p.op == TOY_ATTN for p in plan.main_pieces + plan.replay_pieces if p.kind == "attention")
+    # the region's ops left the main graph: no piece there touches a replay layer
+    assert all(max(p.layers, default=-1) <= cut for p in plan.main_pieces if p.kind != "replay")
+    # and the markers are gone from the main graph
+    code = be.model.split_gm.print_readable(print_output=False)
+    assert "replay_begin" not in code and "replay_end" not in code
+    assert code.count("trim_and_redispatch") >= 1
+
+    for i, (reqs, kind, padded, trimmed, rows, rsize) in enumerate(STEPS):
+        ctx, y, ref, b = run_step(compiled, model, reqs, seed=i)
+        assert (ctx.step.kind, ctx.step.padded_tokens) == (kind, padded)
+        assert (ctx.last_trim.trimmed, ctx.last_trim.rows, ctx.last_trim.padded) == (trimmed, rows, rsize)
+        keep = b.replay.rows_t if trimmed else torch.arange(b.num_tokens)
+        torch.testing.assert_close(y[keep], ref[keep], atol=1e-5, rtol=1e-5)
+        if trimmed and b.has_trimmable_rows:
+            dead = sorted(set(range(b.num_tokens)) - set(b.replay.rows))
+            # trimmed rows are zeros after replay_end, never stale data
+            assert (y[dead] == (1.0 if tail else 0.0)).all()
+    assert len(be.compiled) == 1  # one trace for every step size
+
+
+def test_decoder_replay_false_leaves_no_replay_piece():
+    model = Toy(4, 1).eval()
+    be = toy_backend(decoder_replay=False)
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    with counters.expect(strict=False, fallbacks={}, trims=0, untrimmed=0):
+        ctx, y, ref, b = run_step(compiled, model, STEPS[0][0])
+    plan = be.model.plan
+    assert "replay" not in plan.pieces_by_kind("main")
+    assert plan.pieces_by_kind("main") == {"graph": 5, "attention": 4}
+    assert plan.replay_pieces == [] and plan.replay_layers is None
+    assert plan.replay_capture_sizes == []
+    assert plan.replay_off_reason == "decoder_replay=false"
+    assert ctx.last_trim is None
+    # the replay layers ran on the whole batch inside the main graph
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_graph_without_markers_has_no_region():
+    model = Toy(3, markers=False).eval()
+    be = toy_backend()
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    with counters.expect(strict=False, fallbacks={}):
+        ctx, y, ref, b = run_step(compiled, model, STEPS[0][0])
+    plan = be.model.plan
+    assert plan.pieces_by_kind("main") == {"graph": 4, "attention": 3}
+    assert plan.replay_layers is None and plan.window is None
+    assert "no replay boundary markers" in plan.replay_off_reason
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_threshold_not_above_window_is_a_clear_error():
+    model = Toy(4, 1).eval()
+    compiled = torch.compile(model, backend=toy_backend(decoder_replay_trim_threshold=W), fullgraph=True)
+    with pytest.raises(Exception, match="smaller graphs have nothing to trim"):
+        run_step(compiled, model, STEPS[0][0])
+
+
+# --------------------------------------------------------------------------------------
+# Region extraction, called directly on a Dynamo-traced graph
+# --------------------------------------------------------------------------------------
+def trace(fn, reqs=(R("a", 12, 12),)) -> torch.fx.GraphModule:
+    gms = []
+
+    def capture(gm, example_inputs):
+        gms.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(fn, backend=capture, fullgraph=True)
+    b = toy_batch(list(reqs))
+    x = torch.randn(b.num_tokens, H)
+    pos = b.positions.clone()
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    with torch.inference_mode(), set_forward_context(ForwardContext(b, None)):
+        compiled(x, pos)
+    assert len(gms) == 1
+    return gms[0]
+
+
+def region_fn(body):
+    """x, pos -> a region that runs ``body(h, p)`` between the markers."""
+
+    def f(x, pos):
+        x = x + pos[:, None]  # one token-count symbol for both inputs
+        h, p = replay_begin(x, pos, window=W)
+        h = body(h, p)
+        (h,) = replay_end(h)
+        return h
+
+    return f
+
+
+def extract(gm):
+    return extract_replay_region(gm, [TOY_ATTN], [TOY_SRC])
+
+
+def test_no_markers_gives_none():
+    gm = trace(lambda x, pos: (x + pos[:, None]).relu())
+    assert find_markers(gm) is None
+    assert extract(gm) is None
+
+
+def test_a_valid_region_is_extracted():
+    def body(h, p):
+        out = torch.empty_like(h)
+        torch.ops.toytest.attn(h * 3, out, 0)
+        return out.relu() + p[:, None]
+
+    gm = trace(region_fn(body))
+    begin, end = find_markers(gm)
+    assert begin.name != end.name
+    region = extract(gm)
+    assert region.num_row_inputs == 2 and region.num_outputs == 1 and region.window == W
+    ops = [n for n in region.graph.graph.nodes if n.op == "call_function"]
+    assert any("toytest" in str(n.target) for n in ops)
+    # the main graph now holds one trim op and no markers
+    main = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("trim_and_redispatch" in t for t in main) == 1
+    assert not any("replay_begin" in t or "replay_end" in t for t in main)
+
+
+def test_markers_twice():
+    def f(x, pos):
+        x = x + pos[:, None]
+        h, p = replay_begin(x, pos, window=W)
+        (h,) = replay_end(h * 2)
+        h, p = replay_begin(h, p, window=W)
+        (h,) = replay_end(h + 1)
+        return h
+
+    with pytest.raises(ReplayRegionError, match="once"):
+        extract(trace(f))
+
+
+def test_begin_without_end():
+    def f(x, pos):
+        h, p = replay_begin(x + pos[:, None], pos, window=W)
+        return h * 2
+
+    with pytest.raises(ReplayRegionError, match="once"):
+        find_markers(trace(f))
+
+
+def test_end_before_begin():
+    def f(x, pos):
+        (x,) = replay_end(x + pos[:, None])
+        h, p = replay_begin(x, pos, window=W)
+        return h * 2
+
+    with pytest.raises(ReplayRegionError, match="before"):
+        find_markers(trace(f))
+
+
+def test_region_reading_token_indexed_value_from_outside():
+    def f(x, pos):
+        x = x + pos[:, None]
+        y = x * 3  # token-indexed, not passed through replay_begin
+        h, p = replay_begin(x, pos, window=W)
+        (h,) = replay_end(h + y)
+        return h
+
+    with pytest.raises(ReplayRegionError, match="replay_begin"):
+        extract(trace(f))
+
+
+def test_region_reading_weights_from_outside_is_fine():
+    w = torch.randn(H, H)
+
+    def f(x, pos):
+        x = x + pos[:, None]
+        h, p = replay_begin(x, pos, window=W)
+        (h,) = replay_end(h @ w)
+        return h
+
+    region = extract(trace(f))
+    # the weight became a region input after the row inputs
+    phs = [n.name for n in region.graph.graph.nodes if n.op == "placeholder"]
+    assert phs[:3] == ["num_rows", "row_0", "row_1"] and len(phs) == 4
+
+
+def test_region_not_single_exit():
+    def f(x, pos):
+        x = x + pos[:, None]
+        h, p = replay_begin(x, pos, window=W)
+        z = h * 2
+        (o,) = replay_end(z + 1)
+        return o + z  # z escapes the region without passing replay_end
+
+    with pytest.raises(ReplayRegionError, match="single-exit"):
+        extract(trace(f))
+
+
+ROW_MIXING = {
+    "sum over tokens": lambda h, p: h - h.sum(0),
+    "mean over tokens, keepdim": lambda h, p: h - h.mean(0, keepdim=True),
+    "max over tokens": lambda h, p: h - h.amax(0),
+    "cumsum over tokens": lambda h, p: h.cumsum(0),
+    "cumsum, negative dim": lambda h, p: h.cumsum(-2),
+    "flip tokens": lambda h, p: torch.flip(h, [0]),
+    "sort tokens": lambda h, p: torch.sort(h, dim=0).values,
+    "roll tokens (keyword dims)": lambda h, p: torch.roll(h, shifts=1, dims=0),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_MIXING))
+def test_region_not_row_local(name):
+    with pytest.raises(ReplayRegionError, match="not row-local"):
+        extract(trace(region_fn(ROW_MIXING[name])))
+
+
+@pytest.mark.parametrize("body", [lambda h, p: h - h.sum(1, keepdim=True), lambda h, p: h.cumsum(1),
+                                  lambda h, p: torch.softmax(h, -1) * p[:, None]],
+                         ids=["sum over features", "cumsum over features", "softmax over features"])
+def test_row_local_ops_along_features_are_fine(body):
+    assert extract(trace(region_fn(body))) is not None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "passes/region.py _check_row_local reads the dim of every _ROW_MIXING op from args[1]; "
+    "for roll(input, shifts, dims) args[1] is `shifts`, so roll along the token dim with "
+    "positional dims is accepted"))
+def test_region_roll_with_positional_dims_is_not_row_local():
+    with pytest.raises(ReplayRegionError, match="not row-local"):
+        extract(trace(region_fn(lambda h, p: torch.roll(h, 1, 0))))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "passes/region.py _check_row_local only knows a fixed list of row-mixing ops "
+    "(_ROW_MIXING) plus reductions that drop the token dim; softmax along the token "
+    "dim keeps the dim and is accepted though it mixes rows"))
+def test_region_softmax_over_tokens_is_not_row_local():
+    with pytest.raises(ReplayRegionError, match="not row-local"):
+        extract(trace(region_fn(lambda h, p: torch.softmax(h, 0))))
+
+
+def test_forbidden_op_in_region():
+    def body(h, p):
+        out = torch.empty_like(h)
+        torch.ops.toytest.src(h, out)
+        return out
+
+    with pytest.raises(ReplayRegionError, match="after the cut"):
+        extract(trace(region_fn(body)))
+
+
+def test_region_input_not_indexed_by_token():
+    w = torch.randn(H, H)
+
+    def f(x, pos):
+        x = x + pos[:, None]
+        h, ww = replay_begin(x, w, window=W)
+        (h,) = replay_end(h @ ww)
+        return h
+
+    with pytest.raises(ReplayRegionError, match="not indexed by token"):
+        extract(trace(f))
+
+
+# --------------------------------------------------------------------------------------
+# Through the backend: an unsupported region switches the feature off
+# --------------------------------------------------------------------------------------
+def _mix_tokens(h):
+    # Not row-local (row i reads rows 0..i), but blind to trailing pad rows, so the
+    # whole-batch result of a padded PIECEWISE step still equals the eager model's.
+    return h.cumsum(0) * 0.1
+
+
+def test_unsupported_region_switches_replay_off():
+    model = Toy(4, 1, region_body=_mix_tokens).eval()
+    be = toy_backend()
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    with counters.expect(strict=False, fallbacks={"replay_region_unsupported": 1}, trims=0, untrimmed=0):
+        ctx, y, ref, b = run_step(compiled, model, STEPS[0][0])
+    plan = be.model.plan
+    assert plan.replay_off_reason is not None and "not row-local" in plan.replay_off_reason
+    assert "replay" not in plan.pieces_by_kind("main") and plan.replay_pieces == []
+    assert plan.replay_layers is None
+    assert ctx.last_trim is None
+    # everything ran on the whole batch, like the eager model
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    ctx, y, ref, b = run_step(compiled, model, STEPS[2][0], seed=3)  # an eager step
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    assert ctx.last_trim is None
+
+
+def test_unsupported_region_with_strict_raises():
+    from replay_backend.runtime.graphs import StrictFallbackError
+
+    model = Toy(4, 1, region_body=_mix_tokens).eval()
+    compiled = torch.compile(model, backend=toy_backend(strict=True), fullgraph=True)
+    with pytest.raises(Exception) as e:
+        run_step(compiled, model, STEPS[0][0])
+    assert isinstance(e.value, StrictFallbackError) or "StrictFallbackError" in str(e.value)
+    assert "replay_region_unsupported" in str(e.value)
+    assert "not row-local" in str(e.value)
