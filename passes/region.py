@@ -72,27 +72,56 @@ def _token_dim(value, token_syms: set) -> int | None:
     return None
 
 
+def _named_args(node: fx.Node) -> dict:
+    """The node's arguments by schema name, where torch can tell (else its kwargs)."""
+    from torch.fx.operator_schemas import normalize_function
+
+    target = node.target
+    args = node.args
+    if node.op == "call_method":
+        target, args = getattr(torch, node.target, None), node.args
+    if target is None or not callable(target):
+        return dict(node.kwargs)
+    try:
+        norm = normalize_function(target, tuple(args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    except Exception:  # unknown or ambiguous signature: fall back to what is named
+        norm = None
+    return dict(norm.kwargs) if norm is not None else dict(node.kwargs)
+
+
 def _check_row_local(node: fx.Node, token_syms: set) -> None:
-    """A cheap structural check: row-mixing ops along the token dim and reductions that
-    drop it are rejected (attention, the one allowed exception, is checked by caller)."""
+    """A structural check of row-locality: no op may work *along* the token dimension
+    (a ``dim``/``dims`` argument naming it: softmax, cumsum, roll, cat, index_select...),
+    drop it (a reduction over rows) or pair rows with rows (two token dimensions)."""
     ins = [node_value(a) for a in node.all_input_nodes]
-    dims = [d for d in (_token_dim(v, token_syms) for v in ins) if d is not None]
+    dims = [(d, v) for v in ins if (d := _token_dim(v, token_syms)) is not None]
     if not dims:
         return
     name = str(getattr(node.target, "__name__", node.target)).split(".")[-1]
-    if name in _ROW_MIXING:
-        dim = node.kwargs.get("dim", node.kwargs.get("dims", node.args[1] if len(node.args) > 1 else None))
-        rank = ins[0].dim() if isinstance(ins[0], torch.Tensor) else 0
-        wanted = [d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim]) if isinstance(d, int)]
-        if dim is None or dims[0] in wanted:
-            raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
-                                    "mixes rows along the token dimension")
+    tok, first = dims[0]
+    named = _named_args(node)
+    for key in ("dim", "dims", "axis"):
+        val = named.get(key)
+        if isinstance(val, int) or isinstance(val, (list, tuple)):
+            wanted = [val] if isinstance(val, int) else [d for d in val if isinstance(d, int)]
+            if any(d % max(first.dim(), 1) == tok for d in wanted):
+                raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
+                                        "works along the token dimension")
+    if name in _ROW_MIXING and not any(k in named for k in ("dim", "dims", "axis")):
+        raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
+                                "mixes rows along the token dimension")
     out = node_value(node)
     outs = out if isinstance(out, (list, tuple)) else [out]
     for o in outs:
-        if isinstance(o, torch.Tensor) and _token_dim(o, token_syms) is None:
+        if not isinstance(o, torch.Tensor):
+            continue
+        n_tok = sum(1 for s in o.shape if _symbols(s) & token_syms)
+        if n_tok == 0:
             raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
                                     "reduces over the token dimension")
+        if n_tok > 1:
+            raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
+                                    "pairs rows with rows")
 
 
 def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region_id: int = 0

@@ -2,13 +2,15 @@
 from .batch import RequestChunk, StepBatch
 from .boundary import replay_begin, replay_end
 from .forward_context import ForwardContext, get_forward_context, set_forward_context
+from .inspection import depyf_debug
 from .models import DSv41Mini, ModelConfig, build_model, preset
+from .plan import SplitPlan, plan_of
 from .runner import StepRunner
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DSv41Mini", "ForwardContext", "ModelConfig", "RequestChunk", "StepBatch", "StepRunner",
-    "build_model", "get_forward_context", "preset", "replay_begin", "replay_end",
-    "set_forward_context",
+    "DSv41Mini", "ForwardContext", "ModelConfig", "RequestChunk", "SplitPlan", "StepBatch",
+    "StepRunner", "build_model", "depyf_debug", "get_forward_context", "plan_of", "preset",
+    "replay_begin", "replay_end", "set_forward_context",
 ]

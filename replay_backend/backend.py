@@ -16,9 +16,10 @@ from torch import fx
 from replay_backend.passes.region import TRIM, ReplayRegionError, extract_replay_region
 from replay_backend.passes.split import split_at_ops
 
-from . import torch_compat
+from . import inspection, torch_compat
 from .config import ReplayConfig
 from .counters import counters
+from .piece_cache import PieceCache
 from .models.attention_ops import ATTENTION_OPS
 from .plan import SplitPlan
 from .runtime.compiled import CompiledReplayModel
@@ -32,10 +33,13 @@ KV_SOURCE_OPS = ("dsv41::source_attention",)
 
 
 class ReplayBackend:
-    def __init__(self, config: ReplayConfig | None = None, **options: Any) -> None:
+    def __init__(self, config: ReplayConfig | None = None, piece_cache: PieceCache | None = None,
+                 **options: Any) -> None:
         if config is not None and options:
             raise ValueError("pass either a ReplayConfig or options, not both")
         self.config = config if config is not None else ReplayConfig.from_options(options)
+        # Identical pieces compile once; pass one cache to several backends to share.
+        self.piece_cache = piece_cache if piece_cache is not None else PieceCache()
         self.compiled: list[CompiledReplayModel] = []
         self.frozen = False
 
@@ -58,7 +62,10 @@ class ReplayBackend:
                     "dsv41_replay: recompile after warm-up. The model must trace once, dynamic only "
                     "in the token count (mark the token dimension dynamic; see docs/debugging.md)")
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
-        model = build(gm, example_inputs, self.config)
+        else:  # once per backend, not per graph
+            log.info("dsv41_replay config: %s", self.config.as_dict())
+        model = build(gm, example_inputs, self.config, self.piece_cache)
+        inspection.on_built(model, len(self.compiled))
         self.compiled.append(model)
         return model
 
@@ -89,10 +96,11 @@ class _Compiler(torch.fx.Interpreter):
     sees (vLLM's piecewise-compile idea); splitting-op pieces stay eager."""
 
     def __init__(self, split: fx.GraphModule, infos, cfg: ReplayConfig, level: GraphLevel,
-                 res: GraphResources, on_trim=None) -> None:
+                 res: GraphResources, cache: PieceCache, on_trim=None) -> None:
         super().__init__(split)
         self.infos = {p.name: p for p in infos}
         self.cfg, self.level, self.res, self.on_trim = cfg, level, res, on_trim
+        self.cache = cache
 
     def call_module(self, target, args, kwargs):
         out = super().call_module(target, args, kwargs)
@@ -103,9 +111,13 @@ class _Compiler(torch.fx.Interpreter):
         if info.kind != "graph":
             return out
         sub = self.fetch_attr(target)
-        fn = sub if self.cfg.compiler == "eager" else torch_compat.inductor_compile(
-            sub, list(args), self.cfg.inductor_mode)
-        counters.compilations += 1
+        if self.cfg.compiler == "eager":
+            fn = sub
+        else:
+            fn, hit = self.cache.get_or_compile(sub, args, lambda: torch_compat.inductor_compile(
+                sub, list(args), self.cfg.inductor_mode))
+            counters.piece_cache_hits += int(hit)
+            counters.compilations += int(not hit)
         self.module._modules[target] = PieceRunner(target, fn, self.level, self.res, source=sub)
         return out
 
@@ -119,7 +131,10 @@ def _trim_call_args(piece: fx.GraphModule, args) -> tuple[list, list]:
     return list(rows), list(consts)
 
 
-def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> CompiledReplayModel:
+def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
+          cache: PieceCache | None = None) -> CompiledReplayModel:
+    cache = cache if cache is not None else PieceCache()
+    before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
     fake_mode = torch_compat.detect_fake_mode(example_inputs)
     fake_inputs = torch_compat.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
     token_inputs, sym_inputs = _token_inputs(gm, fake_inputs)
@@ -157,13 +172,13 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Compil
 
         def compile_region(trim_args):
             rows, consts = trim_args
-            _Compiler(rsplit, replay_infos, cfg, rlevel, res).run(rows[0].shape[0], *rows, *consts)
+            _Compiler(rsplit, replay_infos, cfg, rlevel, res, cache).run(rows[0].shape[0], *rows, *consts)
     else:
         compile_region = None
 
     ctx = fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
     with ctx:
-        _Compiler(split, main_infos, cfg, main_level, res, compile_region).run(*fake_inputs)
+        _Compiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
 
     replay_layers = sorted(set().union(*(p.layers for p in replay_infos))) if replay_infos else []
     for p in main_infos:
@@ -172,6 +187,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Compil
     plan = SplitPlan(window, cfg.decoder_replay_trim_threshold,
                      [replay_layers[0], replay_layers[-1]] if replay_layers else None,
                      main_sizes, replay_sizes, main_infos, replay_infos, off_reason, cfg.as_dict())
-    log.info("dsv41_replay config: %s", cfg.as_dict())
     log.info("dsv41_replay split plan:\n%s", plan.render())
-    return CompiledReplayModel(split, cfg, plan, main_level, replay, token_inputs, sym_inputs, res)
+    model = CompiledReplayModel(split, cfg, plan, main_level, replay, token_inputs, sym_inputs, res)
+    model.sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
+    return model

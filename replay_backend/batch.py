@@ -5,7 +5,7 @@ never need a device-to-host sync to learn a request's layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,9 @@ class AttnView:
     cache_base: tuple[int, ...]
     slot_mapping: torch.Tensor  # [num_tokens] int64, per-token caches
     comp_slot_mapping: torch.Tensor | None  # [num_tokens] ratio-2 global slots (whole batch only)
+    # Derived device metadata (e.g. attention kernel row blocks), built once per view and
+    # shared by every layer of the step.
+    derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:

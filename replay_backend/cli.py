@@ -8,11 +8,13 @@ import time
 
 import torch
 
+from . import bench
 from .backend import ReplayBackend
 from .batch_spec import parse_batch_spec
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
 from .config import ReplayConfig
 from .models import PRESETS, build_model, preset
+from .plan import plan_of
 from .runner import StepRunner
 from .verify import verify_step
 
@@ -133,16 +135,18 @@ def cmd_verify(args) -> int:
 def cmd_inspect(args) -> int:
     opts = _parse_options(args.option)
     opts.setdefault("compiler", "eager")  # the split plan does not depend on the piece compiler
+    if args.dump:
+        # Dump while compiling: the graph before the split only exists then.
+        opts["debug_dump_path"] = args.dump
     cfg = ReplayConfig.from_options(opts)
     model, _, _ = _model_for(args)
     backend = ReplayBackend(cfg)
     runner = StepRunner(model, backend=backend, max_num_seqs=1, max_model_len=2 * model.cfg.window)
     runner.run(runner.dummy_batch(model.cfg.window))  # one trace, no capture
-    compiled = backend.model
-    if args.dump:
-        from .dump import dump_compiled
-        dump_compiled(compiled, args.dump)
-    print(compiled.plan.to_json() if args.json else compiled.plan.render())
+    plan = plan_of(backend)
+    print(plan.to_json() if args.json else plan.render())
+    if args.dump and not args.json:
+        print(f"dump: {backend.model.dump_dir}/index.md")
     return 0
 
 
@@ -173,9 +177,45 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--device")
     i.add_argument("--option", action="append", metavar="KEY=VALUE")
     i.add_argument("--json", action="store_true")
-    i.add_argument("--dump", metavar="DIR", help="write every piece's readable code under DIR")
+    i.add_argument("--dump", metavar="DIR", help="write a navigable dump under DIR (index.md, the graph "
+                   "before and after the split, every piece's readable code, config, plan)")
     i.set_defaults(fn=cmd_inspect)
+
+    b = sub.add_parser("bench", help="prefill-only TTFT of every mode (SPEC §9; GPU)")
+    b.add_argument("--preset", help="default: mini-2k on CUDA, tiny on CPU")
+    b.add_argument("--isl", type=_int_list, default=[1024, 4096, 8192, 32768])
+    b.add_argument("--conc", type=_int_list, default=[1, 8])
+    b.add_argument("--modes", type=lambda s: s.split(","), default=list(bench.MODES))
+    b.add_argument("--settings", type=lambda s: s.split(","), default=["default", "wide"])
+    b.add_argument("--runs", type=int, default=10)
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    b.add_argument("--max-tokens-per-point", type=int, default=65536,
+                   help="skip ISL x concurrency points above this many prompt tokens")
+    b.add_argument("--max-seconds", type=float, default=1e9, help="stop measuring new points after this")
+    b.add_argument("--json", metavar="PATH", help="write the raw report here")
+    b.add_argument("--out", metavar="PATH", help="write the markdown table here")
+    b.set_defaults(fn=cmd_bench)
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def cmd_bench(args) -> int:
+    if args.preset is None:
+        args.preset = "mini-2k" if torch.cuda.is_available() else "tiny"
+    report = bench.run_bench(args)
+    text = bench.render(report)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if all(not r["error"] for r in report["results"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

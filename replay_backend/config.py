@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -10,6 +11,8 @@ from .models.attention_ops import ATTENTION_OPS
 CUDAGRAPH_MODES = ("piecewise", "none")
 COMPILERS = ("inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Dump directory when the option is not given: turns dumps on without touching code.
+DUMP_ENV_VAR = "DSV41_REPLAY_DUMP"
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -76,6 +79,8 @@ class ReplayConfig:
                     else:
                         raise ValueError(f"option {key} must be a list, got {val!r}")
                 options[key] = tuple(val)
+        if options.get("debug_dump_path") is None and os.environ.get(DUMP_ENV_VAR):
+            options["debug_dump_path"] = os.environ[DUMP_ENV_VAR]
         inductor_mode = mode if mode in ("max-autotune", "max-autotune-no-cudagraphs") else None
         return cls(**options, inductor_mode=inductor_mode)
 
@@ -116,6 +121,11 @@ class ReplayConfig:
                 and max(self.cudagraph_capture_sizes) > self.max_cudagraph_capture_size):
             bad("cudagraph_capture_sizes", f"size {max(self.cudagraph_capture_sizes)} exceeds "
                 f"max_cudagraph_capture_size={self.max_cudagraph_capture_size}")
+        if self.debug_dump_path is not None:
+            path = self.debug_dump_path
+            if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+                bad("debug_dump_path", f"must be a directory path, got {path!r}")
+            object.__setattr__(self, "debug_dump_path", os.fspath(path))
         if not self.splitting_ops or not all(isinstance(o, str) and "::" in o for o in self.splitting_ops):
             bad("splitting_ops", f"must be a non-empty list of 'namespace::op' names, got {self.splitting_ops!r}")
 

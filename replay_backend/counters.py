@@ -16,7 +16,8 @@ from typing import Iterator
 @dataclass
 class Counters:
     graphs_seen: int = 0  # FX graphs handed to the backend
-    compilations: int = 0  # pieces compiled
+    compilations: int = 0  # pieces compiled (Inductor)
+    piece_cache_hits: int = 0  # pieces that reused an identical piece's compiled code
     recompiles: int = 0  # graphs after the first one of a backend instance
     pieces: Counter = field(default_factory=Counter)  # by kind: graph / attention / replay
     captures: Counter = field(default_factory=Counter)  # by runner: main / replay

@@ -1,10 +1,48 @@
-"""The split plan: what the backend built, as a typed record (``inspect``, SPEC §8)."""
+"""The split plan: what the backend built, as a typed record (``inspect``, SPEC §8).
+
+``plan_of(obj)`` gets it from anything that holds a compiled model (a ReplayBackend, a
+StepRunner built with ``backend=``, a CompiledReplayModel, or a ``torch.compile``-d
+function or module) without re-tracing; its ``runners`` then say what was captured
+and how often each runner dispatched to each size.
+"""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from replay_backend.passes.split import PieceInfo
+
+
+@dataclass
+class RunnerStats:
+    """One graph runner (``"main"`` or ``"replay"``) when the plan was taken."""
+
+    pieces: int  # graph pieces wrapped in per-size runners
+    captured_sizes: list[int]  # sizes with a captured graph in at least one piece
+    graphs: int  # captured graphs over all pieces and sizes
+    # Steps per padded size since capture ("eager": ran without graphs). For "replay" a
+    # step counts once per trim-op run, keyed like counters.replay_dispatch.
+    dispatch: dict[Any, int] = field(default_factory=dict)
+    capture_seconds: float | None = None  # None: not captured through capture()
+    capture_gib: float | None = None
+
+    def as_dict(self) -> dict:
+        return {"pieces": self.pieces, "captured_sizes": self.captured_sizes, "graphs": self.graphs,
+                # JSON keys are strings; sizes first in order, then "eager"
+                "dispatch": {str(k): v for k, v in sorted(self.dispatch.items(), key=_size_key)},
+                "capture_seconds": self.capture_seconds, "capture_gib": self.capture_gib}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunnerStats":
+        disp = {(int(k) if str(k).isdigit() else k): v for k, v in d.get("dispatch", {}).items()}
+        return cls(d["pieces"], list(d["captured_sizes"]), d["graphs"], disp,
+                   d.get("capture_seconds"), d.get("capture_gib"))
+
+
+def _size_key(item) -> tuple:
+    k = item[0]
+    return (0, k, "") if isinstance(k, int) else (1, 0, str(k))
 
 
 @dataclass
@@ -18,6 +56,7 @@ class SplitPlan:
     replay_pieces: list[PieceInfo] = field(default_factory=list)
     replay_off_reason: str | None = None  # why the replay region is not in use
     config: dict = field(default_factory=dict)
+    runners: dict[str, RunnerStats] = field(default_factory=dict)  # filled by plan_of()
 
     def pieces_by_kind(self, which: str = "main") -> dict[str, int]:
         out: dict[str, int] = {}
@@ -36,10 +75,20 @@ class SplitPlan:
             "replay_pieces": [p.as_dict() for p in self.replay_pieces],
             "replay_off_reason": self.replay_off_reason,
             "config": self.config,
+            "runners": {k: v.as_dict() for k, v in self.runners.items()},
         }
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SplitPlan":
+        """The inverse of ``as_dict`` (``replay-backend inspect --json`` output)."""
+        return cls(d["window"], d["trim_threshold"], d["replay_layers"], list(d["capture_sizes"]),
+                   list(d["replay_capture_sizes"]), [PieceInfo(**p) for p in d["main_pieces"]],
+                   [PieceInfo(**p) for p in d["replay_pieces"]], d.get("replay_off_reason"),
+                   dict(d.get("config", {})),
+                   {k: RunnerStats.from_dict(v) for k, v in d.get("runners", {}).items()})
 
     def render(self) -> str:
         def layers(p):
@@ -64,4 +113,49 @@ class SplitPlan:
             for p in pieces:
                 what = p.op if p.op else f"{p.num_ops} ops"
                 lines.append(f"  {p.name:<12s} {p.kind:<9s}{layers(p):<16s} {what}")
+        for name, r in self.runners.items():
+            took = f", {r.capture_seconds:.2f} s" if r.capture_seconds is not None else ""
+            disp = ", ".join(f"{k}: {v}" for k, v in sorted(r.dispatch.items(), key=_size_key)) or "none"
+            lines.append(f"runner {name}: {r.pieces} graph pieces, captured sizes {r.captured_sizes} "
+                         f"({r.graphs} graphs{took}); steps dispatched by size: {disp}")
         return "\n".join(lines)
+
+
+def runner_stats(compiled) -> dict[str, RunnerStats]:
+    """Per-runner capture and dispatch state of a CompiledReplayModel."""
+    out = {}
+    for name in ("main", "replay"):
+        runners = compiled.runners(name)
+        if name == "replay" and compiled.replay is None:
+            continue
+        summary = compiled.capture_summary.get(name, {})
+        out[name] = RunnerStats(len(runners), compiled.captured_sizes(name),
+                                sum(len(r.graphs) for r in runners), dict(compiled.dispatch[name]),
+                                summary.get("seconds"), summary.get("gib"))
+    return out
+
+
+def plan_of(obj) -> SplitPlan:
+    """The split plan of the last graph compiled for ``obj``, with its runners' state.
+
+    ``obj``: a SplitPlan, a CompiledReplayModel, a ReplayBackend, a StepRunner built with
+    ``backend=``, or what ``torch.compile(..., backend="dsv41_replay")`` returned (found
+    through Dynamo's cache; run it once first). Never re-traces."""
+    if isinstance(obj, SplitPlan):
+        return obj
+    if hasattr(obj, "plan_snapshot"):  # CompiledReplayModel
+        return obj.plan_snapshot()
+    if hasattr(obj, "compiled") and hasattr(obj, "freeze"):  # ReplayBackend
+        return obj.model.plan_snapshot()
+    backend = getattr(obj, "backend", None)
+    if backend is not None and hasattr(obj, "kv"):  # StepRunner(backend=...)
+        return plan_of(backend)
+    from . import torch_compat
+
+    for fn in torch_compat.compiled_callables(obj):
+        if hasattr(fn, "plan_snapshot"):
+            return fn.plan_snapshot()
+    raise TypeError(
+        f"no dsv41_replay compiled model found in {type(obj).__name__}: pass a ReplayBackend, a "
+        "StepRunner built with backend=, a CompiledReplayModel, or a torch.compile(..., "
+        "backend='dsv41_replay') result that has run at least once")

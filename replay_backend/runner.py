@@ -164,7 +164,7 @@ class StepRunner:
     def dummy_batch(self, num_tokens: int) -> StepBatch:
         """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most W
         tokens (so all rows are replay rows), every KV write aimed at the pad slot."""
-        w = self.cfg.window
+        w = min(self.cfg.window, self.layout.max_model_len)
         reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s))
                 for i, s in enumerate(range(0, num_tokens, w))]
         tokens = [[0] * r.query_len for r in reqs]

@@ -11,6 +11,7 @@ that need another configuration build their own after ``torch._dynamo.reset()``.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from types import SimpleNamespace
 
@@ -64,15 +65,14 @@ def _reset_dynamo():
     _shared.clear()  # a reset drops the shared runner's compiled code
 
 
-def build_env(model, capture=True, **options) -> SimpleNamespace:
-    opts = dict(DEFAULTS)
-    opts.update(options)
-    be = ReplayBackend(**opts)
+def build_env(model, **options) -> SimpleNamespace:
+    """A captured, serving runner on a fresh backend (``DEFAULTS`` updated by
+    ``options``) and an eager oracle runner over the same model."""
+    be = ReplayBackend(**{**DEFAULTS, **options})
     rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, backend=be)
     ro = StepRunner(model, max_model_len=MAX_MODEL_LEN)
-    before = counters.snapshot()
-    summary = rc.capture() if capture else None
-    return SimpleNamespace(model=model, be=be, rc=rc, ro=ro, summary=summary, before_capture=before)
+    summary = rc.capture()
+    return SimpleNamespace(model=model, be=be, rc=rc, ro=ro, summary=summary)
 
 
 @pytest.fixture(autouse=True)
@@ -100,11 +100,13 @@ def prefill_both(env, reqs):
         r.prefill_context(reqs, forward=env.model)  # the oracle path in both
 
 
-def compare(env, reqs, atol=ATOL, free=True):
+def compare(env, reqs, atol=ATOL, free=True, expect=None):
     """One step through both runners (after building the same context); returns the
-    compiled runner's StepOutput."""
+    compiled runner's StepOutput. ``expect``: exact counter deltas of the compiled step
+    (every counter not named must stay put)."""
     prefill_both(env, reqs)
-    got = env.rc.step(reqs)
+    with (counters.expect(**expect) if expect is not None else contextlib.nullcontext()):
+        got = env.rc.step(reqs)
     want = env.ro.step(reqs)
     check_outputs(env, got, want, atol)
     if free:
@@ -215,7 +217,8 @@ COMPOSITIONS = {
 def test_compositions(shared, name):
     make, kind, padded, trimmed, rpad = COMPOSITIONS[name]
     reqs = make()
-    out = compare(shared, reqs)
+    want = {"trims": 1} if trimmed else {"untrimmed": 1}
+    out = compare(shared, reqs, expect=dict(replay_dispatch={rpad if rpad else "eager": 1}, **want))
     rows = out.batch.replay.num_rows if trimmed else None
     check_dispatch(out, kind, padded, trimmed, rows, rpad)
     assert expected_dispatch(out.batch, MAIN_SIZES, REPLAY_SIZES, THRESHOLD) == (kind, padded, trimmed, rows, rpad)
@@ -228,3 +231,373 @@ def test_compositions(shared, name):
                 assert qsl[i + 1] - qsl[i] == q.query_len
 
 
+
+
+@pytest.mark.parametrize("make,padded,trimmed,rows,rpad", [
+    (lambda: [R("p", 40, 40)], 40, False, None, 40),  # just below the threshold: untrimmed
+    (lambda: [R("p", 33, 33)], 40, False, None, 40),
+    (lambda: [R("p", 48, 48)], 48, True, 16, 16),  # at the threshold: trimmed
+    (lambda: [R("p", 41, 41)], 48, True, 16, 16),  # 41 tokens pad to 48: trims
+    # at the threshold with nothing to trim: all rows are replay rows
+    (lambda: [R("a", 16, 16), R("b", 16, 40), R("c", 10, 10)], 48, True, 42, 48),
+    (lambda: [R("p", 56, 56)], 56, True, 16, 16),  # above
+], ids=["40-untrimmed", "33-pads-to-40", "48-trimmed", "41-pads-to-48", "48-nothing-to-trim", "56-trimmed"])
+def test_trim_threshold(shared, make, padded, trimmed, rows, rpad):
+    want = {"trims": 1} if trimmed else {"untrimmed": 1}
+    out = compare(shared, make(), expect=dict(replay_dispatch={rpad: 1}, **want))
+    check_dispatch(out, "piecewise", padded, trimmed, rows, rpad)
+    if trimmed and not out.batch.has_trimmable_rows:
+        assert out.batch.replay.rows == tuple(range(out.batch.num_tokens))
+
+
+# Replay batches around each replay capture size. With W=16 and threshold 48 a trimming
+# step has at least 16 replay rows (a step of >= 41 tokens keeps min(q, 16) >= 16 rows in
+# total), so 16 is the smallest row count there is.
+@pytest.mark.parametrize("make,rows,rpad", [
+    (lambda: [R("p", 50, 50)], 16, 16),
+    (lambda: [R("p", 50, 50), R("d", 1, 20)], 17, 32),
+    (lambda: [R("p", 30, 30), R("q", 15, 15), R("d", 1, 9)], 32, 32),
+    (lambda: [R("p", 40, 40), R("q", 16, 16)], 32, 32),
+    (lambda: [R("p", 40, 40), R("q", 16, 16), R("d", 1, 9)], 33, 48),
+    (lambda: [R("a", 16, 16), R("b", 16, 16), R("c", 16, 16)], 48, 48),
+    (lambda: [R("a", 16, 16), R("b", 16, 16), R("c", 16, 16), R("d", 1, 5)], 49, 64),
+    (lambda: [R("a", 16, 16), R("b", 16, 16), R("c", 15, 15), R("d", 1, 5), R("e", 40, 80)], 64, 64),
+    (lambda: [R(c, 16, 16) for c in "abcd"], 64, 64),
+], ids=["16", "17", "32-a", "32-b", "33", "48", "49", "64-eager-step", "64"])
+def test_replay_capture_size_dispatch(shared, make, rows, rpad):
+    reqs = make()
+    out = compare(shared, reqs, expect=dict(trims=1, replay_dispatch={rpad: 1}))
+    assert out.trim.trimmed and out.trim.rows == rows == out.batch.replay.num_rows
+    assert out.trim.padded == rpad and out.trim.graph
+    assert expected_dispatch(out.batch, MAIN_SIZES, REPLAY_SIZES, THRESHOLD)[2:] == (True, rows, rpad)
+
+
+@pytest.mark.parametrize("make,rows", [
+    (lambda: [R("k", 60, 60, keep_all=True), R("p", 60, 60), R("k2", 30, 80, keep_all=True)], 106),
+    (lambda: [R("a", 16, 16), R("b", 16, 16), R("c", 16, 16), R("d", 16, 16), R("p", 30, 30)], 80),
+    (lambda: [R("a", 16, 16), R("b", 16, 16), R("c", 16, 16), R("d", 1, 3), R("p", 30, 70)], 65),
+], ids=["106-keep-all", "80", "65"])
+def test_replay_rows_above_largest_size_run_eagerly(shared, make, rows):
+    out = compare(shared, make(), expect=dict(trims=1, replay_dispatch={"eager": 1}))
+    assert out.step.kind == "eager"
+    assert out.trim.trimmed and out.trim.rows == rows
+    assert out.trim.padded is None and out.trim.graph is False
+
+
+def test_fixed_buffers_are_reused(shared):
+    m = shared.be.model
+    assert sorted(m.buffers) == sorted(m.token_inputs) and len(m.token_inputs) == 2
+    ptrs = {i: b.data_ptr() for i, b in m.buffers.items()}
+    first = m.runners("main")[0]
+    graph = first.graphs[40]
+    rfirst = m.runners("replay")[0]
+    rgraph = rfirst.graphs[32]
+    replays, rreplays = graph.replays, rgraph.replays
+    # two consecutive PIECEWISE steps of padded size 40 (untrimmed), then two trimmed
+    # steps whose replay batches pad to 32
+    for make in (lambda: [R("p", 40, 40)], lambda: [R("q", 35, 35), R("d", 1, 12)],
+                 lambda: [R("p", 50, 50), R("d", 1, 20)], lambda: [R("p", 40, 40), R("q", 16, 16)]):
+        compare(shared, make())
+    assert {i: b.data_ptr() for i, b in m.buffers.items()} == ptrs
+    assert first.graphs[40] is graph and rfirst.graphs[32] is rgraph  # no re-capture
+    assert graph.replays == replays + 2 and rgraph.replays == rreplays + 2
+    # the captured graphs read slices of the persistent buffers
+    for i in m.token_inputs:
+        assert any(isinstance(a, torch.Tensor) and a.data_ptr() == ptrs[i] for a in graph.inputs)
+    bufs = m.replay.buffers
+    assert any(isinstance(a, torch.Tensor) and a.data_ptr() == bufs[0].data_ptr() for a in rgraph.inputs)
+
+
+def test_stale_main_rows_do_not_leak(shared):
+    m = shared.be.model
+    ids = m.token_inputs[0]
+    compare(shared, [R("big", 40, 40)])  # fills all 40 rows
+    out = compare(shared, [R("q", 30, 30), R("d", 1, 10), R("e", 2, 2)])  # 33 rows, same size 40
+    assert out.step.padded_tokens == 40 and not out.trim.trimmed
+    # the 7 pad rows were reset, not left over from the 40-token step
+    assert (m.buffers[ids][33:40] == 0).all()
+
+
+def test_stale_replay_rows_do_not_leak(shared):
+    m = shared.be.model
+    first = compare(shared, [R("a", 15, 15), R("p", 40, 40)])
+    assert (first.trim.rows, first.trim.padded) == (31, 32)
+    out = compare(shared, [R("q", 50, 50), R("d", 1, 20)])
+    assert (out.trim.rows, out.trim.padded) == (17, 32)
+    # rows 17..30 of the replay buffers still hold the previous step's rows: they were
+    # computed on and discarded, and the comparison above saw none of it
+    stale = m.replay.buffers[0][17:31]
+    assert (stale != 0).any()
+
+
+def test_steps_through_the_compiled_runner_keep_caches_exact(shared):
+    """Chunked prefills, decodes and new prompts, every step through the compiled
+    runner (its trimmed steps skip the replay layers' KV of dead rows): each step and
+    the caches it leaves must agree with the oracle."""
+    a, b, c = (f"{n}#{next(_ids)}" for n in "abc")
+    rc, ro = shared.rc, shared.ro
+    steps = [
+        [RequestChunk(a, 48, 48)],  # piecewise 48, trimmed
+        [RequestChunk(a, 30, 78), RequestChunk(b, 10, 10)],  # piecewise 40, untrimmed
+        [RequestChunk(a, 22, 100), RequestChunk(b, 1, 11), RequestChunk(c, 70, 70)],  # eager 93
+        [RequestChunk(a, 1, 101), RequestChunk(b, 1, 12), RequestChunk(c, 1, 71)],
+        [RequestChunk(a, 2, 103), RequestChunk(b, 45, 57), RequestChunk(c, 1, 72)],  # 48, trimmed
+        [RequestChunk(a, 1, 104), RequestChunk(b, 1, 58), RequestChunk(c, 1, 73)],
+    ]
+    kinds = []
+    for reqs in steps:
+        got, want = rc.step(reqs), ro.step(reqs)
+        check_outputs(shared, got, want)
+        kinds.append((got.step.kind, got.trim.trimmed))
+    assert kinds == [("piecewise", True), ("piecewise", False), ("eager", True), ("piecewise", False),
+                     ("piecewise", True), ("piecewise", False)]
+
+
+def test_no_recompiles_after_capture(shared):
+    be = shared.be
+    assert be.frozen
+    sizes = [1, 2, 3, 5, 9, 16, 17, 25, 33, 40, 41, 49, 57, 63, 64, 65, 90, 120]
+    with counters.expect(strict=False, recompiles=0, graphs_seen=0, compilations=0, captures={},
+                         fallbacks={}, pieces={}):
+        for n in sizes:
+            out = compare(shared, [R("x", n, n + 3)])
+            assert out.step.kind == ("piecewise" if n <= 64 else "eager")
+    assert len(be.compiled) == 1
+
+
+@st.composite
+def compositions(draw):
+    n = draw(st.integers(1, 4))
+    reqs, room = [], 120
+    for i in range(n):
+        most = room - (n - i - 1)  # leave a token for each request still to come
+        kind = draw(st.sampled_from(["decode", "spec", "prefill", "chunk", "keep"]))
+        keep, kv_start = False, None
+        if kind == "decode":
+            q, s = 1, draw(st.integers(1, 150))
+        elif kind == "spec":
+            q = draw(st.integers(2, max(2, min(4, most))))
+            s = draw(st.integers(q, 150))
+        elif kind == "prefill":
+            q = draw(st.integers(1, max(1, min(90, most))))
+            s = q
+        elif kind == "chunk":
+            q = draw(st.integers(1, max(1, min(70, most))))
+            s = q + draw(st.integers(1, 100))
+        else:
+            q = draw(st.integers(1, max(1, min(70, most))))
+            s = q + draw(st.integers(0, 40))
+            keep = True
+        q = min(q, most)
+        s = max(s, q)
+        if kind in ("prefill", "chunk") and q > 16 and draw(st.booleans()):
+            kv_start = draw(st.integers(s - 16, s - 1))
+        reqs.append(R(f"r{i}", q, s, keep_all=keep, kv_start=kv_start))
+        room -= q
+    return reqs
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(reqs=compositions())
+def test_random_compositions_match_the_oracle(shared, reqs):
+    assert sum(r.query_len for r in reqs) <= 120
+    try:
+        out = compare(shared, reqs)
+        check_dispatch(out, *expected_dispatch(out.batch, MAIN_SIZES, REPLAY_SIZES, THRESHOLD))
+    finally:
+        for r in (shared.rc, shared.ro):
+            for q in reqs:
+                r.free(q.req_id)
+
+
+# ======================================================================================
+# Other configurations (each builds its own backend)
+# ======================================================================================
+def test_without_replay_graphs(model):
+    """cudagraph_decoder_replay=False: PIECEWISE steps never trim; eager steps trim,
+    eagerly. Context is prefilled before capture: capture must not disturb the caches."""
+    early = [R("e", 1, 60), R("f", 20, 90)]
+    be = ReplayBackend(**{**DEFAULTS, "cudagraph_decoder_replay": False})
+    rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, backend=be)
+    ro = StepRunner(model, max_model_len=MAX_MODEL_LEN)
+    env = SimpleNamespace(model=model, be=be, rc=rc, ro=ro)
+    prefill_both(env, early)
+    rc.capture()
+    plan = be.model.plan
+    assert plan.replay_capture_sizes == [] and plan.replay_layers == [4, 7]
+    assert plan.pieces_by_kind("main")["replay"] == 1
+    # the replay region runs in graphs of the main sizes when untrimmed
+    assert set(MAIN_SIZES) - {1} <= set(be.model.captured_sizes("replay"))
+
+    got, want = rc.step(early), ro.step(early)  # piecewise 24, context from before capture
+    check_outputs(env, got, want)
+    for make, kind, padded in [
+        (lambda: [R("p", 50, 50)], "piecewise", 56),
+        (lambda: [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], "piecewise", 64),
+        (lambda: [R(c, 16, 16) for c in "abcd"], "piecewise", 64),
+    ]:
+        out = compare(env, make(), expect=dict(untrimmed=1, replay_dispatch={padded: 1}))
+        check_dispatch(out, kind, padded, False, None, padded)
+        assert expected_dispatch(out.batch, MAIN_SIZES, [], THRESHOLD, replay_graphs=False)[2] is False
+    for make, rows in [(lambda: [R("a", 100, 100)], 16),
+                       (lambda: [R("k", 60, 60, keep_all=True), R("p", 60, 60)], 76),
+                       (lambda: [R("d", 1, 20), R("p", 40, 100, kv_start=70), R("c", 35, 35)], 33)]:
+        out = compare(env, make(), expect=dict(trims=1, replay_dispatch={"eager": 1}))
+        check_dispatch(out, "eager", out.batch.num_tokens, True, rows, None)
+    # an eager step with nothing to trim runs the region on the whole batch
+    out = compare(env, [R("k", 70, 70, keep_all=True)], expect=dict(untrimmed=1, replay_dispatch={"eager": 1}))
+    check_dispatch(out, "eager", 70, False, None, None)
+
+
+def test_cudagraph_mode_none(model):
+    """cudagraph_mode="none": every step is eager, no graph is captured, and steps
+    trim exactly when a prefill is longer than W."""
+    with counters.expect(strict=False, captures={}):
+        env = build_env(model, cudagraph_mode="none")
+    plan = env.be.model.plan
+    assert plan.capture_sizes == [] and plan.replay_capture_sizes == []
+    assert plan.pieces_by_kind("main") == {"graph": 5, "attention": 4, "replay": 1}
+    assert env.be.model.captured_sizes("main") == [] and env.be.model.captured_sizes("replay") == []
+    for make, trimmed in [
+        (lambda: [R("a", 1, 30), R("b", 1, 2)], False),
+        (lambda: [R("p", 40, 40)], True),  # would be an untrimmed PIECEWISE step with graphs
+        (lambda: [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], True),
+        (lambda: [R("a", 16, 16), R("b", 16, 40), R("c", 10, 10)], False),
+        (lambda: [R("s", 3, 50), R("t", 3, 20), R("p", 30, 30), R("u", 2, 9)], True),
+        (lambda: [R("a", 100, 100)], True),
+        (lambda: [R("k", 60, 60, keep_all=True), R("p", 60, 60)], True),
+    ]:
+        with counters.expect(strict=False, captures={}, fallbacks={}):
+            out = compare(env, make())
+        assert out.step.kind == "eager"
+        assert out.step.padded_tokens == max(out.batch.num_tokens, 2)
+        rows = out.batch.replay.num_rows if trimmed else None
+        check_dispatch(out, "eager", out.step.padded_tokens, trimmed, rows, None)
+        assert out.trim.trimmed == out.batch.has_trimmable_rows
+
+
+def test_small_replay_bound_and_address_checks(model):
+    """max_num_seqs=2: replay sizes [16, 32], so a trimming PIECEWISE step with more
+    than 32 replay rows runs the region eagerly. debug_check_addresses: every replay of
+    every graph checks its input addresses, across many steps."""
+    env = build_env(model, max_num_seqs=2, debug_check_addresses=True)
+    assert env.be.model.plan.replay_capture_sizes == [16, 32]
+    assert env.be.config.debug_check_addresses and env.be.model.res.check_every_replay
+    cases = [
+        (lambda: [R("p", 50, 50), R("d", 1, 20)], "piecewise", 17, 32),
+        (lambda: [R("p", 40, 40), R("q", 16, 16), R("d", 1, 9)], "piecewise", 33, None),
+        (lambda: [R("a", 16, 16), R("b", 16, 16), R("c", 16, 16)], "piecewise", 48, None),
+        (lambda: [R("k", 30, 30, keep_all=True), R("k2", 20, 50, keep_all=True)], "piecewise", 50, None),
+        (lambda: [R("a", 100, 100)], "eager", 16, 16),
+        (lambda: [R("a", 40, 100, kv_start=90), R("b", 1, 20), R("c", 35, 35, kv_start=25)], "eager", 33, None),
+        (lambda: [R("a", 1, 30), R("b", 1, 2)], "piecewise", None, None),
+        (lambda: [R("p", 40, 40)], "piecewise", None, None),
+    ]
+    for make, kind, rows, rpad in cases * 2:  # the second round replays every graph again
+        reqs = make()
+        out = compare(env, reqs)
+        want = expected_dispatch(out.batch, MAIN_SIZES, [16, 32], THRESHOLD)
+        check_dispatch(out, *want)
+        assert out.step.kind == kind
+        if rows is not None:
+            assert (out.trim.trimmed, out.trim.rows, out.trim.padded) == (True, rows, rpad)
+    checked = [g.replays for r in env.be.model.runners("main") + env.be.model.runners("replay")
+               for g in r.graphs.values()]
+    assert max(checked) >= 3
+
+
+def test_recompile_after_freeze_is_an_error(model):
+    import dataclasses
+
+    env = build_env(model, cudagraph_mode="none")
+    batch = env.rc.build_batch([R("a", 5, 5)])
+    # a different dtype for the token ids: the graph would have to be traced again
+    with torch.inference_mode():
+        odd = dataclasses.replace(batch, input_ids=batch.input_ids.to(torch.int32))
+    with pytest.raises(Exception, match="(?i)recompil"):
+        env.rc.run(odd)
+    assert len(env.be.compiled) == 1
+    # and the backend itself refuses a second graph once frozen
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with counters.expect(recompiles=1, graphs_seen=1), pytest.raises(RuntimeError, match="recompile after warm-up"):
+        env.be(gm, [torch.randn(3)])
+    assert len(env.be.compiled) == 1
+
+
+# ======================================================================================
+# Static graphs: recorded input addresses
+# ======================================================================================
+def _fn(x, w):
+    return (x @ w + 1,)
+
+
+def test_static_graph_replays_on_capture_buffers():
+    res = GraphResources(use_cuda=False)
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    g = StaticGraph("toy[4]", _fn, (x, w), res)
+    out = g.replay((x, w))[0]
+    torch.testing.assert_close(out, x @ w + 1)
+    x.add_(1.0)  # new data, same address: the replay sees it and writes the same output
+    out2 = g.replay((x, w))[0]
+    assert out2.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out2, x @ w + 1)
+
+
+def test_static_graph_first_replay_checks_input_addresses():
+    res = GraphResources(use_cuda=False)
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    g = StaticGraph("toy[4]", _fn, (x, w), res)
+    with pytest.raises(RuntimeError, match="input 0 changed since capture"):
+        g.replay((x.clone(), w))
+
+
+def test_static_graph_debug_mode_checks_every_replay():
+    res = GraphResources(use_cuda=False, check_every_replay=True)
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    g = StaticGraph("toy[4]", _fn, (x, w), res)
+    for _ in range(3):
+        g.replay((x, w))
+    with pytest.raises(RuntimeError, match="input 1 changed since capture"):
+        g.replay((x, w.clone()))
+
+
+def test_piece_runner_debug_mode_detects_a_moved_input():
+    res = GraphResources(use_cuda=False, check_every_replay=True)
+    level = GraphLevel("main", [4], size=4)
+    runner = PieceRunner("toy", _fn, level, res)
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    runner(x, w)  # capture
+    runner(x, w)
+    with pytest.raises(RuntimeError, match="changed since capture"):
+        runner(x.clone(), w)
+
+
+def test_piece_runner_first_serving_replay_detects_a_moved_input():
+    """On CPU the capture call returns the captured outputs without a replay, so the
+    first serving step is the graph's first replay and its address check sees a moved
+    input (SPEC §7: checked on the first replay of every graph, always)."""
+    res = GraphResources(use_cuda=False)
+    level = GraphLevel("main", [4], size=4)
+    runner = PieceRunner("toy", _fn, level, res)
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    with counters.expect(strict=False, captures={"main": 1}):
+        out = runner(x, w)[0]  # capture
+    torch.testing.assert_close(out, x @ w + 1)
+    with pytest.raises(RuntimeError, match="changed since capture"):
+        runner(x.clone() + 5, w)
+
+
+def test_piece_runner_uncaptured_size_after_serving_is_a_counted_fallback():
+    from replay_backend.runtime.graphs import StrictFallbackError
+
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    level = GraphLevel("main", [4, 8], size=4, may_capture=False)
+    runner = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False))
+    with counters.expect(fallbacks={"uncaptured_size": 1}):
+        out = runner(x, w)[0]
+    torch.testing.assert_close(out, x @ w + 1)
+    assert runner.graphs == {}
+    strict = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False, strict=True))
+    with pytest.raises(StrictFallbackError, match="uncaptured_size"):
+        strict(x, w)

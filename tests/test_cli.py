@@ -16,7 +16,7 @@ def test_demo_runs_and_reports(capsys):
     batch = [l for l in lines if l.startswith("batch")]
     modes = [l for l in lines if l.startswith("mode ")]
     agree = [l for l in lines if l.startswith("agree")]
-    assert len(model) == 1 and len(batch) == 1 and len(agree) == 1
+    assert len(model) == 1 and len(batch) == 1 and len(agree) == 2
     # the CPU default is the 40-layer tiny preset
     assert "preset 'tiny'" in model[0] and "40 layers" in model[0]
     assert "KV sources [2, 8, 14, 20]" in model[0] and "replay layers 21..39" in model[0]
@@ -26,10 +26,14 @@ def test_demo_runs_and_reports(capsys):
     assert DEFAULT_BATCH in batch[0]
     assert "451 tokens" in batch[0] and "4 requests" in batch[0]
     assert "329 replay rows" in batch[0] and "floors [0, 122, 0, 0]" in batch[0]
-    assert [m.split()[3] for m in modes] == ["off", "parent"]
-    assert agree[0].endswith("-> OK")
-    errs = [float(x) for x in re.findall(r"max\|d\| ([0-9.e+-]+)", agree[0])]
-    assert len(errs) == 2 and all(e <= 1e-3 for e in errs)
+    assert [m.split()[2:4] for m in modes] == [["eager", "off"], ["eager", "parent"], ["compiled", "replay"]]
+    # 451 tokens pad to the 512 graph (>= the CPU demo's threshold 256): a trimming
+    # PIECEWISE step whose 329 replay rows pad to the 384 replay graph.
+    assert "piecewise step, 512 padded tokens, trimmed=True, replay rows 329 -> graph size 384" in modes[2]
+    for line in agree:
+        assert line.endswith("-> OK")
+        errs = [float(x) for x in re.findall(r"max\|d\| ([0-9.e+-]+)", line)]
+        assert len(errs) == 2 and all(e <= 1e-3 for e in errs)
 
 
 def test_demo_bad_batch_exit_code_2(capsys):

@@ -102,6 +102,12 @@ def test_invalid_options_raise_value_error_naming_the_key(options, key):
     assert key in str(e.value)
 
 
+@pytest.mark.parametrize("value", [5, ["out"]])
+def test_debug_dump_path_must_be_a_path(value):
+    with pytest.raises(ValueError, match="debug_dump_path"):
+        ReplayConfig.from_options({"debug_dump_path": value})
+
+
 def test_bad_mode_raises_naming_mode():
     with pytest.raises(ValueError, match="mode"):
         ReplayConfig.from_options({}, mode="bogus")

@@ -131,14 +131,15 @@ def kinds(pieces):
     return [p.kind for p in pieces]
 
 
-# A trimmed PIECEWISE step (11 tokens -> 16 >= threshold 8, 5 replay rows -> 8), an
+# (requests, step kind, padded tokens, trimmed, replay rows, replay padded size):
+# a trimmed PIECEWISE step (11 tokens -> 16 >= threshold 8, 5 replay rows -> 8), an
 # untrimmed one (3 -> 4), an eager trimmed one (20 > 16 tokens) and an eager step with
 # nothing to trim (five 4-token requests).
 STEPS = [
     ([R("a", 10, 10), R("b", 1, 5)], "piecewise", 16, True, 5, 8),
-    ([R("a", 3, 3)], "piecewise", 4, False, 4, 4),
+    ([R("a", 3, 3)], "piecewise", 4, False, None, 4),
     ([R("a", 20, 20)], "eager", 20, True, 4, 4),
-    ([R(c, 4, 4) for c in "abcde"], "eager", 20, False, 20, None),
+    ([R(c, 4, 4) for c in "abcde"], "eager", 20, False, None, None),
 ]
 
 
@@ -186,7 +187,10 @@ def test_toy_split_plan_and_trim_op_position(cut, tail):
     for i, (reqs, kind, padded, trimmed, rows, rsize) in enumerate(STEPS):
         ctx, y, ref, b = run_step(compiled, model, reqs, seed=i)
         assert (ctx.step.kind, ctx.step.padded_tokens) == (kind, padded)
-        assert (ctx.last_trim.trimmed, ctx.last_trim.rows, ctx.last_trim.padded) == (trimmed, rows, rsize)
+        assert (ctx.last_trim.trimmed, ctx.last_trim.padded, ctx.last_trim.graph) == (trimmed, rsize,
+                                                                                     rsize is not None)
+        if trimmed:
+            assert ctx.last_trim.rows == rows == b.replay.num_rows
         keep = b.replay.rows_t if trimmed else torch.arange(b.num_tokens)
         torch.testing.assert_close(y[keep], ref[keep], atol=1e-5, rtol=1e-5)
         if trimmed and b.has_trimmable_rows:
@@ -393,22 +397,13 @@ def test_row_local_ops_along_features_are_fine(body):
     assert extract(trace(region_fn(body))) is not None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/region.py _check_row_local reads the dim of every _ROW_MIXING op from args[1]; "
-    "for roll(input, shifts, dims) args[1] is `shifts`, so roll along the token dim with "
-    "positional dims is accepted"))
-def test_region_roll_with_positional_dims_is_not_row_local():
+@pytest.mark.parametrize("body", [lambda h, p: torch.roll(h, 1, 0), lambda h, p: torch.softmax(h, 0),
+                                  lambda h, p: (h @ h.t()) @ h, lambda h, p: h.t().softmax(-1).t()],
+                         ids=["roll positional dims", "softmax over tokens", "rows paired with rows",
+                              "softmax over tokens after transpose"])
+def test_region_ops_along_tokens_are_not_row_local(body):
     with pytest.raises(ReplayRegionError, match="not row-local"):
-        extract(trace(region_fn(lambda h, p: torch.roll(h, 1, 0))))
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "passes/region.py _check_row_local only knows a fixed list of row-mixing ops "
-    "(_ROW_MIXING) plus reductions that drop the token dim; softmax along the token "
-    "dim keeps the dim and is accepted though it mixes rows"))
-def test_region_softmax_over_tokens_is_not_row_local():
-    with pytest.raises(ReplayRegionError, match="not row-local"):
-        extract(trace(region_fn(lambda h, p: torch.softmax(h, 0))))
+        extract(trace(region_fn(body)))
 
 
 def test_forbidden_op_in_region():

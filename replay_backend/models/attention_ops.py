@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..forward_context import get_forward_context
+from . import attention_triton
 
 # Elements of one [heads, rows, keys] score block; bounds temporary memory.
 _SCORE_BUDGET = 1 << 25
@@ -90,6 +91,16 @@ def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w:
     glob.index_copy_(0, view.comp_slot_mapping, rms_norm(pooled, norm_w, eps).to(glob.dtype))
 
 
+def _use_triton(impl: str, q: torch.Tensor) -> bool:
+    if impl == "reference":
+        return False
+    if impl == "triton":
+        if not attention_triton.available():
+            raise RuntimeError("attention_impl='triton' but triton is not importable")
+        return True
+    return q.is_cuda and attention_triton.available()
+
+
 def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
                    out: torch.Tensor, compress=None) -> None:
     ctx = get_forward_context()
@@ -108,6 +119,17 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     # The floor of SPEC §3 binds replay layers only, in every step, trimmed or not.
     floored = layer > cfg.cut
     scale = q.shape[-1] ** -0.5
+    if _use_triton(cfg.attention_impl, q):
+        blocks = view.derived.get("attn_blocks")
+        if blocks is None:
+            rows = attention_triton.row_blocks(view.query_start_loc, view.seq_lens, view.kv_start,
+                                               view.cache_base, cfg.window)
+            blocks = view.derived["attn_blocks"] = torch.tensor(
+                rows, dtype=torch.int32).reshape(-1, attention_triton.NUM_FIELDS).to(q.device)
+        attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale)
+        if out.shape[0] > n:
+            out[n:] = 0
+        return
     qsl = view.query_start_loc
     for i, seq_len in enumerate(view.seq_lens):
         r0, r1 = qsl[i], qsl[i + 1]

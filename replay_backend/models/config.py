@@ -37,6 +37,11 @@ class ModelConfig:
     sinkhorn_iters: int = 20
     rope_theta: float = 10000.0
     seed: int = 0
+    # "auto": the Triton kernel on CUDA when triton is importable, else the PyTorch
+    # reference; "reference" / "triton" force one (triton on CPU needs TRITON_INTERPRET=1).
+    attention_impl: str = "auto"
+    # "auto": grouped GEMMs on CUDA when torch._grouped_mm exists, else dense.
+    moe_impl: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -58,6 +63,10 @@ class ModelConfig:
                     "shared_intermediate_size", "sinkhorn_iters"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key} must be positive, got {getattr(self, key)}")
+        if self.attention_impl not in ("auto", "reference", "triton"):
+            problems.append(f"attention_impl must be auto, reference or triton, got {self.attention_impl!r}")
+        if self.moe_impl not in ("auto", "dense", "grouped"):
+            problems.append(f"moe_impl must be auto, dense or grouped, got {self.moe_impl!r}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 

@@ -68,7 +68,7 @@ class HyperConnection(nn.Module):
         t, hc = stream.shape[0], self.hc
         flat = stream.reshape(t, -1).float()
         flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
-        mix = flat @ self.weight.t() + self.bias
+        mix = flat @ self.weight.float().t() + self.bias.float()
         pre = torch.sigmoid(mix[:, :hc]) + self.hc_eps
         post = 2.0 * torch.sigmoid(mix[:, hc:2 * hc])
         comb = sinkhorn(mix[:, 2 * hc:].view(t, hc, hc), self.iters)
@@ -78,7 +78,9 @@ class HyperConnection(nn.Module):
 def hc_merge(hidden: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor) -> torch.Tensor:
     """``new[j] = post[j] * hidden + sum_i comb[i, j] * residual[i]`` (fp32 mix)."""
-    mixed = torch.matmul(comb.transpose(1, 2), residual.float())
+    # bmm, not matmul: matmul's batched path reads sizes as ints under fake tensors and
+    # would specialise the token count.
+    mixed = torch.bmm(comb.transpose(1, 2), residual.float())
     return (post[..., None] * hidden.float()[:, None, :] + mixed).to(residual.dtype)
 
 
@@ -89,14 +91,16 @@ def hc_collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 class MoE(nn.Module):
     """Routed top-k experts plus one shared expert, SwiGLU.
 
-    Static shapes and no host syncs, so a step can be captured: every expert runs on
-    every row and the routing weight (zero when not selected) scales its output.
+    Static shapes and no host syncs, so a step can be captured. Two equivalent
+    implementations: ``dense`` runs every expert on every row, scaled by the routing
+    weight (zero when not selected); ``grouped`` sorts the (row, expert) pairs by expert
+    and runs one grouped GEMM per projection (CUDA, ``torch._grouped_mm``).
     """
 
     def __init__(self, hidden: int, n_exp: int, top_k: int, inter: int, shared: int,
-                 gen: torch.Generator) -> None:
+                 gen: torch.Generator, impl: str = "auto") -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.impl = top_k, impl
         self.router = _param(gen, n_exp, hidden, std=hidden ** -0.5)
         self.w_gate_up = _param(gen, n_exp, 2 * inter, hidden, std=hidden ** -0.5)
         self.w_down = _param(gen, n_exp, hidden, inter, std=inter ** -0.5)
@@ -108,12 +112,51 @@ class MoE(nn.Module):
         g, u = (x @ gate_up.t()).chunk(2, dim=-1)
         return (torch.nn.functional.silu(g) * u) @ down.t()
 
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        if self.impl == "dense":
+            return False
+        ok = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        if self.impl == "grouped" and not ok:
+            raise RuntimeError("moe_impl='grouped' needs bf16 CUDA tensors and torch._grouped_mm")
+        return ok
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = torch.softmax(x.float() @ self.router.float().t(), dim=-1)
         top_w, top_i = torch.topk(scores, self.top_k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
+        if self._use_grouped(x):
+            routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, self.w_gate_up, self.w_down)
+            return self._swiglu(x, self.s_gate_up, self.s_down) + routed
         combine = torch.zeros_like(scores).scatter(1, top_i, top_w).to(x.dtype)
         out = self._swiglu(x, self.s_gate_up, self.s_down)
         for e in range(self.router.shape[0]):
             out = out + combine[:, e:e + 1] * self._swiglu(x, self.w_gate_up[e], self.w_down[e])
         return out
+
+
+@torch.library.custom_op("dsv41::moe_grouped", mutates_args=())
+def moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """Routed experts as grouped GEMMs over (row, expert) pairs sorted by expert.
+
+    An opaque op: it permutes rows internally but is row-local as a whole (each output
+    row depends on its own input row), which the replay-region check cannot see through
+    an argsort. Device-only work, no host sync, so it can be captured.
+    """
+    t, k = top_i.shape
+    flat = top_i.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    xs = x[order // k]
+    counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat.int(), torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    g, u = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm((torch.nn.functional.silu(g) * u).to(x.dtype), w_down.transpose(1, 2), offs=offs)
+    # Unsort and weight per row: a fixed-order sum, so replays are bit-identical.
+    y = y[torch.argsort(order)].view(t, k, -1)
+    return (y.float() * top_w[..., None]).sum(1).to(x.dtype)
+
+
+@moe_grouped.register_fake
+def _(x, top_w, top_i, w_gate_up, w_down):
+    return torch.empty_like(x)

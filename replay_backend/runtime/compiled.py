@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 from torch import fx
@@ -29,6 +30,13 @@ class CompiledReplayModel:
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
         self.buffers: dict[int, torch.Tensor] = {}
         self.serving = False
+        # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
+        # each runner since capture, the last capture summary, the graphs as traced
+        # (inspection.GraphSources, set by build) and this model's dump directory.
+        self.dispatch: dict[str, Counter] = {"main": Counter(), "replay": Counter()}
+        self.capture_summary: dict = {}
+        self.sources = None
+        self.dump_dir: str | None = None
 
     # ---- pieces ---------------------------------------------------------------------
     def runners(self, level: str) -> list[PieceRunner]:
@@ -39,18 +47,42 @@ class CompiledReplayModel:
         return sorted(set().union(*(r.graphs.keys() for r in self.runners(level)))) \
             if self.runners(level) else []
 
+    @property
+    def __code__(self):
+        """depyf takes what a backend returns for a function and reads its ``__code__``
+        when it writes ``full_code_for_*``: show it this class's step."""
+        return type(self).__call__.__code__
+
+    def plan_snapshot(self):
+        """The split plan with each runner's captured sizes and dispatch counts now."""
+        import dataclasses
+
+        from ..plan import runner_stats
+
+        return dataclasses.replace(self.plan, runners=runner_stats(self))
+
     # ---- one step -------------------------------------------------------------------
     def __call__(self, *args):
+        ctx = get_forward_context() if has_forward_context() else None
+        trim_before = ctx.last_trim if ctx is not None else None
+        out, size = self._step(ctx, args)
+        self.dispatch["main"][size if size is not None else "eager"] += 1
+        rec = ctx.last_trim if ctx is not None else None
+        if rec is not None and rec is not trim_before:  # the trim op ran in this step
+            self.dispatch["replay"][rec.padded if rec.padded is not None else "eager"] += 1
+        return out
+
+    def _step(self, ctx, args) -> tuple:
+        """Run one step; returns (outputs, the padded size it ran at or None for eager)."""
         if not self.token_inputs:
-            return self.split_gm(*args)
+            return self.split_gm(*args), None
         t = args[self.token_inputs[0]].shape[0]
         tp = padded_size(self.main_level.sizes, t) if self.main_level.sizes else None
         step = StepInfo("piecewise" if tp is not None else "eager", t, tp if tp is not None else t)
-        if has_forward_context():
-            ctx = get_forward_context()
+        if ctx is not None:
             ctx.step, ctx.replay_runtime = step, self.replay
         if tp is None:
-            return self.split_gm(*args)
+            return self.split_gm(*args), None
         new = list(args)
         for i in self.token_inputs:
             x = args[i]
@@ -71,7 +103,7 @@ class CompiledReplayModel:
         finally:
             self.main_level.size = None
         # The outputs live in graph memory that the next step overwrites.
-        return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out)
+        return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), tp
 
     # ---- capture --------------------------------------------------------------------
     def capture(self, run_main_step, replay_view_for) -> dict:
@@ -104,6 +136,12 @@ class CompiledReplayModel:
             summary[name] = {"sizes": len(sizes), "graphs": graphs, "seconds": secs, "gib": gib}
             log.info("captured %s graphs: %d sizes, %d graphs, %.2f s, %.3f GiB", name, len(sizes),
                      graphs, secs, gib)
+        self.capture_summary = summary
+        for c in self.dispatch.values():
+            c.clear()  # count served steps only, not the warm-up and capture steps
+        from ..inspection import on_captured
+
+        on_captured(self)
         return summary
 
     def start_serving(self) -> None:

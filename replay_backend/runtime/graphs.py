@@ -136,8 +136,12 @@ class PieceRunner(nn.Module):
             graph = StaticGraph(f"{self.level.name}:{self.name}[{size}]", self.fn, args, self.res)
             self.graphs[size] = graph
             counters.captures[self.level.name] += 1
-            if not self.res.use_cuda:
-                return graph.outputs  # the emulated capture already computed this step
+            # Capturing records work without doing it: run it once for this step. This
+            # is not the graph's first replay, whose input-address check must see the
+            # next step's arguments (the emulated capture already computed the step).
+            if graph.graph is not None:
+                graph.graph.replay()
+            return graph.outputs
         return graph.replay(args)
 
     def extra_repr(self) -> str:

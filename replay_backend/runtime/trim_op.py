@@ -8,6 +8,8 @@ allocated so the next piece reads a stable address.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +26,7 @@ class TrimRecord:
     """What the trim op did in one step (``StepOutput.trim``, ``verify --json``)."""
 
     trimmed: bool
-    rows: int  # rows the region ran on (before padding)
+    rows: int  # replay rows when trimmed, else the step's tokens (both before padding)
     padded: int | None  # replay graph size, None when the region ran without graphs
     graph: bool
 
@@ -52,6 +54,9 @@ class ReplayRuntime:
         self.buffers: list[torch.Tensor] | None = None
         self.consts: list[torch.Tensor] | None = None
         self.capture_phase = False  # main graphs are being captured: run the region directly
+        # Host time of the op itself (decision, gather, pad, scatter), without the region.
+        self.host_us: deque[float] = deque(maxlen=4096)
+        self._region_s = 0.0
 
     def _static_inputs(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.buffers is None:
@@ -61,12 +66,16 @@ class ReplayRuntime:
 
     def run_region(self, inputs, consts, size: int | None):
         self.level.size = size
+        t0 = time.perf_counter()
         try:
             return self.region(inputs[0].shape[0], *inputs, *consts)
         finally:
             self.level.size = None
+            self._region_s += time.perf_counter() - t0
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        self._region_s = 0.0
         ctx = get_forward_context()
         batch, step = ctx.batch, ctx.step
         self.consts = consts
@@ -107,7 +116,9 @@ class ReplayRuntime:
         counters.trims += int(trim)
         counters.untrimmed += int(not trim)
         counters.replay_dispatch[size if size is not None else "eager"] += 1
-        ctx.last_trim = TrimRecord(trim, n, size, size is not None)
+        ctx.last_trim = TrimRecord(trim, n if trim else batch.num_tokens, size, size is not None)
+        if trim:
+            self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
 
     def capture(self, size: int, view) -> None:
         """Capture the region's graphs for ``size`` on a dummy replay batch."""

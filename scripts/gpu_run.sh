@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine: install without network, GPU tests, then the benchmark.
+# usage: bash scripts/gpu_run.sh OUTDIR [bench args...]
+set -uo pipefail
+out="${1:?outdir}"; shift
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+fi
+if [ "$#" -gt 0 ]; then
+    timeout "${BENCH_TIMEOUT:-400}" replay-backend bench --json "$out/bench.json" --out "$out/bench.md" "$@" 2>&1 \
+        | tee "$out/bench.log" | grep -v '^{' | tail -40
+fi
