@@ -34,12 +34,14 @@ KV_SOURCE_OPS = ("dsv41::source_attention",)
 
 class ReplayBackend:
     def __init__(self, config: ReplayConfig | None = None, piece_cache: PieceCache | None = None,
-                 **options: Any) -> None:
+                 dp_group=None, **options: Any) -> None:
         if config is not None and options:
             raise ValueError("pass either a ReplayConfig or options, not both")
         self.config = config if config is not None else ReplayConfig.from_options(options)
         # Identical pieces compile once; pass one cache to several backends to share.
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache()
+        # A torch.distributed group of data-parallel ranks: they agree on replaying.
+        self.dp_group = dp_group
         self.compiled: list[CompiledReplayModel] = []
         self.frozen = False
 
@@ -64,7 +66,7 @@ class ReplayBackend:
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
         else:  # once per backend, not per graph
             log.info("dsv41_replay config: %s", self.config.as_dict())
-        model = build(gm, example_inputs, self.config, self.piece_cache)
+        model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group)
         inspection.on_built(model, len(self.compiled))
         self.compiled.append(model)
         return model
@@ -132,7 +134,7 @@ def _trim_call_args(piece: fx.GraphModule, args) -> tuple[list, list]:
 
 
 def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
-          cache: PieceCache | None = None) -> CompiledReplayModel:
+          cache: PieceCache | None = None, dp_group=None) -> CompiledReplayModel:
     cache = cache if cache is not None else PieceCache()
     before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
     fake_mode = torch_compat.detect_fake_mode(example_inputs)
@@ -168,7 +170,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
             if cfg.cudagraph_decoder_replay else main_sizes
         rlevel = GraphLevel("replay", sorted(set(replay_sizes) | set(below)))
-        replay = ReplayRuntime(rsplit, cfg, window, rlevel, replay_sizes, res)
+        replay = ReplayRuntime(rsplit, cfg, window, rlevel, replay_sizes, res, dp_group)
 
         def compile_region(trim_args):
             rows, consts = trim_args

@@ -45,3 +45,13 @@ def make_runner(model):
         return StepRunner(model, **kw)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The test models are tiny: one intra-op thread is faster, far faster when another
+    process shares the machine's two cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

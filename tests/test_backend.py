@@ -48,13 +48,8 @@ def R(name, q, s, **kw) -> RequestChunk:
 # Runners
 # --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The model is tiny: one intra-op thread is faster, and far faster when another
-    # process shares the two cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 _shared: dict = {}

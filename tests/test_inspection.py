@@ -52,12 +52,8 @@ class _Records(logging.Handler):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The model is tiny: one intra-op thread is faster, far faster on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

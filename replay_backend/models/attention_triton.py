@@ -51,6 +51,18 @@ def row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int,
 if triton is not None:
 
     @triton.jit
+    def _online_step(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+        """One key tile of the online softmax; masked keys contribute nothing."""
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks,
                      stride_qt, stride_qh, stride_ot, stride_oh,
                      window, floored, ratio, has_glob, scale,
@@ -90,29 +102,16 @@ if triton is not None:
                 offs_n = start + tl.arange(0, BLOCK_N)
                 k = tl.load(Kglob + (gbase + offs_n)[:, None] * D + offs_d[None, :],
                             mask=(offs_n < g_last)[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                s = tl.where(offs_n[None, :] < g_row[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = _online_step(q, k, offs_n[None, :] < g_row[:, None], m_i, l_i, acc,
+                                             scale, PRECISION)
         lo_row = tl.maximum(tl.maximum(pos - window + 1, floor), 0)
         hi = pos0 + nrows
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             k = tl.load(Kswa + (base + offs_n)[:, None] * D + offs_d[None, :],
                         mask=(offs_n < hi)[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             ok = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= pos[:, None])
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_step(q, k, ok, m_i, l_i, acc, scale, PRECISION)
         out = acc / l_i[:, None]
         tl.store(Out + (row0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=rmask[:, None])

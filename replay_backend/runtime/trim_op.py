@@ -45,10 +45,22 @@ def _(rows, consts, outs, region):
     return None
 
 
+def dp_agree(needs: bool, rows: int, group) -> tuple[bool, int]:
+    """All-reduce (max) of ``[needs, rows]`` over the data-parallel group."""
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([int(needs), rows], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    needs_any, rows_max = t.tolist()
+    return bool(needs_any), int(rows_max)
+
+
 class ReplayRuntime:
     def __init__(self, region: nn.Module, cfg: ReplayConfig, window: int, level: GraphLevel,
-                 replay_sizes: list[int], res: GraphResources) -> None:
+                 replay_sizes: list[int], res: GraphResources, dp_group=None) -> None:
         self.region, self.cfg, self.window = region, cfg, window
+        self.dp_group = dp_group  # data-parallel ranks that must replay together (SPEC §6)
         self.level, self.res = level, res
         self.replay_sizes = replay_sizes  # sizes a trimmed step pads to
         self.buffers: list[torch.Tensor] | None = None
@@ -87,11 +99,16 @@ class ReplayRuntime:
         else:
             trim = batch.has_trimmable_rows
         rep = batch.replay
+        rows_max = rep.num_rows if trim else 0
+        if self.dp_group is not None and not self.capture_phase:
+            # Every rank replays if any does (a rank with nothing to trim runs all its rows
+            # as replay rows), and all pad to the size that fits the largest rank.
+            trim, rows_max = dp_agree(trim, rows_max, self.dp_group)
         n = rep.num_rows if trim else rows[0].shape[0]
         if self.capture_phase or not self.level.sizes:
             size = None
         elif trim:
-            size = padded_size(self.replay_sizes, n)
+            size = padded_size(self.replay_sizes, max(n, rows_max))
         else:
             size = n if piecewise and n in self.level.sizes else None
         view = rep.view if trim else batch.view
