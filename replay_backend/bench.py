@@ -149,6 +149,10 @@ def run_bench(args) -> dict:
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 
 
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
+
+
 def render(report: dict) -> str:
     lines = [f"# {report['preset']} {report['dtype']} on {report['device']} (torch {report['torch']}), "
              f"median of {report['runs']} after {report['warmup']} warm-up, "
@@ -161,19 +165,19 @@ def render(report: dict) -> str:
         modes = [m for m in MODES if (setting, m) in by or (setting == "wide" and ("default", m) in by)]
         lines.append(f"\n## capture setting: {setting}\n")
         head = "| ISL/conc | " + " | ".join(f"{m} ms" for m in modes) + " | floor ms | " + \
-            " | ".join(f"replay vs {m}" for m in modes if m != "replay") + " | replay / floor |"
+            " | ".join(f"replay speed-up vs {m}" for m in modes if m != "replay") + " | replay / floor |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for key in sorted(rows, key=lambda k: tuple(int(x) for x in k.split("/"))):
             def ms(m):
                 r = by.get((setting, m)) or by.get(("default", m))
                 return r["ms"].get(key) if r else None
+
             rep = ms("replay")
             floor = report["floor_ms"].get(setting, {}).get(key)
-            cells = [f"{ms(m):.1f}" if ms(m) else "-" for m in modes]
-            ratios = [f"{ms(m) / rep:.2f}x" if ms(m) and rep else "-" for m in modes if m != "replay"]
-            lines.append(f"| {key} | " + " | ".join(cells) + f" | {floor:.1f} | " if floor else
-                         f"| {key} | " + " | ".join(cells) + " | - | ")
-            lines[-1] += " | ".join(ratios) + (f" | {rep / floor:.2f} |" if rep and floor else " | - |")
+            cells = [_fmt(ms(m), "{:.1f}") for m in modes] + [_fmt(floor, "{:.1f}")]
+            cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in modes if m != "replay"]
+            cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines.append("\ncompile (s) and capture per mode:")
     for r in report["results"]:
         cap = ", ".join(f"{k}: {v['graphs']} graphs {v['seconds']:.1f} s {v['gib']:.2f} GiB"
