@@ -182,6 +182,11 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     with ctx:
         _Compiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
 
+    if region is not None and main_sizes and cfg.cudagraph_decoder_replay \
+            and cfg.decoder_replay_trim_threshold > max(main_sizes):
+        log.warning("dsv41_replay: decoder_replay_trim_threshold=%d exceeds the largest main capture "
+                    "size %d: PIECEWISE steps never trim (eager steps still do)",
+                    cfg.decoder_replay_trim_threshold, max(main_sizes))
     replay_layers = sorted(set().union(*(p.layers for p in replay_infos))) if replay_infos else []
     for p in main_infos:
         if p.kind == "replay":

@@ -596,3 +596,15 @@ def test_piece_runner_uncaptured_size_after_serving_is_a_counted_fallback():
     strict = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False, strict=True))
     with pytest.raises(StrictFallbackError, match="uncaptured_size"):
         strict(x, w)
+
+
+def test_threshold_above_largest_capture_size_is_warned(model, caplog):
+    torch._dynamo.reset()
+    be = ReplayBackend(compiler="eager", max_num_seqs=4, max_cudagraph_capture_size=32,
+                       decoder_replay_trim_threshold=48)
+    runner = StepRunner(model, max_model_len=256, backend=be)
+    with caplog.at_level("WARNING", logger="replay_backend"):
+        out = runner.step([RequestChunk("a", 30, 30)])
+    assert any("PIECEWISE steps never trim" in r.getMessage() for r in caplog.records)
+    assert out.step.kind == "piecewise" and not out.trim.trimmed
+    torch._dynamo.reset()
