@@ -93,6 +93,20 @@ def _token_inputs(gm: fx.GraphModule, fake_inputs: list) -> tuple[list[int], lis
     return tokens, syms
 
 
+def _wrap(split: fx.GraphModule, name: str, fn, level: GraphLevel, res: GraphResources) -> None:
+    sub = getattr(split, name)
+    split._modules[name] = PieceRunner(name, fn if fn is not None else sub, level, res, source=sub)
+
+
+def _wrap_uncompiled(split: fx.GraphModule, infos, level: GraphLevel, res: GraphResources) -> None:
+    """``compiler="eager"``: pieces run as they are, so no example inputs are needed and
+    the fake-tensor pass over the whole graph is skipped."""
+    for info in infos:
+        counters.pieces[info.kind] += 1
+        if info.kind == "graph":
+            _wrap(split, info.name, None, level, res)
+
+
 class _Compiler(torch.fx.Interpreter):
     """Runs a split graph on fake inputs and compiles each graph piece with the inputs it
     sees (vLLM's piecewise-compile idea); splitting-op pieces stay eager."""
@@ -113,14 +127,11 @@ class _Compiler(torch.fx.Interpreter):
         if info.kind != "graph":
             return out
         sub = self.fetch_attr(target)
-        if self.cfg.compiler == "eager":
-            fn = sub
-        else:
-            fn, hit = self.cache.get_or_compile(sub, args, lambda: torch_compat.inductor_compile(
-                sub, list(args), self.cfg.inductor_mode))
-            counters.piece_cache_hits += int(hit)
-            counters.compilations += int(not hit)
-        self.module._modules[target] = PieceRunner(target, fn, self.level, self.res, source=sub)
+        fn, hit = self.cache.get_or_compile(sub, args, lambda: torch_compat.inductor_compile(
+            sub, list(args), self.cfg.inductor_mode))
+        counters.piece_cache_hits += int(hit)
+        counters.compilations += int(not hit)
+        _wrap(self.module, target, fn, self.level, self.res)
         return out
 
 
@@ -178,9 +189,14 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     else:
         compile_region = None
 
-    ctx = fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
-    with ctx:
-        _Compiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
+    if cfg.compiler == "eager":
+        _wrap_uncompiled(split, main_infos, main_level, res)
+        if region is not None:
+            _wrap_uncompiled(rsplit, replay_infos, rlevel, res)
+    else:
+        ctx = fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
+        with ctx:
+            _Compiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
 
     if region is not None and main_sizes and cfg.cudagraph_decoder_replay \
             and cfg.decoder_replay_trim_threshold > max(main_sizes):
