@@ -86,3 +86,14 @@ def test_wheel_install_imports_passes(wheel, tmp_path):
     pfile, rfile = r.stdout.split()
     assert Path(pfile).resolve() == (target / "replay_backend" / "passes" / "__init__.py").resolve()
     assert Path(rfile).resolve() == (target / "replay_backend" / "__init__.py").resolve()
+
+
+def test_public_surface():
+    """SPEC §8: ``replay_backend.counters`` is the counters object with ``expect``."""
+    import replay_backend
+
+    assert hasattr(replay_backend.counters, "expect")
+    with replay_backend.counters.expect(trims=0, recompiles=0):
+        pass
+    for name in ("ReplayBackend", "ReplayConfig", "StepRunner", "plan_of", "replay_begin", "replay_end"):
+        assert hasattr(replay_backend, name), name
