@@ -53,9 +53,7 @@ class _Dynamic:
         self.fn = fn
 
     def __call__(self, ids, pos):
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
-        with torch_compat.size_oblivious():
+        with torch_compat.dynamic_tokens(ids, pos):
             return self.fn(ids, pos)
 
 

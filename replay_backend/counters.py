@@ -32,27 +32,39 @@ class Counters:
     def snapshot(self) -> dict:
         return {k: (dict(v) if isinstance(v, Counter) else v) for k, v in vars(self).items()}
 
+    def state(self) -> dict:
+        """A deep copy of every counter, to diff against later with :meth:`moved_since`."""
+        return copy.deepcopy(vars(self))
+
+    def moved_since(self, before: dict) -> dict:
+        """The counters that moved since ``before`` (a :meth:`state`), by how much."""
+        out = {}
+        for name, now in vars(self).items():
+            was = before[name]
+            if isinstance(now, Counter):
+                moved = {k: v for k, v in (now - was).items() if v}
+                if moved:
+                    out[name] = moved
+            elif now != was:
+                out[name] = now - was
+        return out
+
     @contextlib.contextmanager
     def expect(self, strict: bool = True, **deltas) -> Iterator[None]:
         unknown = set(deltas) - set(vars(self))
         if unknown:
             raise ValueError(f"unknown counter(s) {sorted(unknown)}; known: {sorted(vars(self))}")
-        before = copy.deepcopy(vars(self))
+        before = self.state()
         yield
+        moved = self.moved_since(before)
         problems = []
         for name, now in vars(self).items():
-            was = before[name]
+            got = moved.get(name, {} if isinstance(now, Counter) else 0)
+            want = deltas.get(name, {} if isinstance(now, Counter) else 0)
             if isinstance(now, Counter):
-                got = {k: v for k, v in (now - was).items() if v}
-                want = {k: v for k, v in dict(deltas.get(name, {})).items() if v}
-                if name in deltas or strict:
-                    if got != want:
-                        problems.append(f"{name}: expected +{want}, got +{got}")
-            else:
-                got = now - was
-                if name in deltas or (strict and got):
-                    if got != deltas.get(name, 0):
-                        problems.append(f"{name}: expected +{deltas.get(name, 0)}, got +{got}")
+                want = {k: v for k, v in dict(want).items() if v}
+            if (name in deltas or strict) and got != want:
+                problems.append(f"{name}: expected +{want}, got +{got}")
         if problems:
             raise AssertionError("counter mismatch: " + "; ".join(problems))
 

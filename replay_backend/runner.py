@@ -151,11 +151,8 @@ class StepRunner:
     def _compile_guards(self, fwd, ids: torch.Tensor, pos: torch.Tensor):
         if self.backend is None or fwd is not self.forward:
             return contextlib.nullcontext()
-        # One trace, dynamic only in the token count.
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
         stack = contextlib.ExitStack()
-        stack.enter_context(torch_compat.size_oblivious())
+        stack.enter_context(torch_compat.dynamic_tokens(ids, pos))
         if self.backend.frozen:
             stack.enter_context(torch_compat.no_recompile())
         return stack

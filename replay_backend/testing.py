@@ -8,8 +8,6 @@ any test framework can call them directly.
 """
 from __future__ import annotations
 
-import copy
-from collections import Counter
 from typing import Any
 
 from .plan import SplitPlan, plan_of
@@ -102,7 +100,7 @@ class CounterWatch:
 
     def __init__(self, counters) -> None:
         self.counters = counters
-        self.start = copy.deepcopy(vars(counters))
+        self.start = counters.state()
 
     def expect(self, strict: bool = True, **deltas):
         """``counters.expect``: exact deltas inside a ``with`` block."""
@@ -110,16 +108,7 @@ class CounterWatch:
 
     def delta(self) -> dict:
         """What moved since the watch started (only the counters that moved)."""
-        out = {}
-        for name, now in vars(self.counters).items():
-            was = self.start[name]
-            if isinstance(now, Counter):
-                moved = {k: v for k, v in (now - was).items() if v}
-                if moved:
-                    out[name] = moved
-            elif now != was:
-                out[name] = now - was
-        return out
+        return self.counters.moved_since(self.start)
 
     def assert_delta(self, **want) -> None:
         """The named counters moved by exactly these amounts since the watch started."""

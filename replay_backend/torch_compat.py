@@ -45,6 +45,16 @@ def size_oblivious() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def dynamic_tokens(*token_inputs) -> Iterator[None]:
+    """Call a compiled model so it traces once, dynamic only in the token count: mark
+    dim 0 of every token-indexed input dynamic and trace size-obliviously."""
+    for t in token_inputs:
+        torch._dynamo.mark_dynamic(t, 0)
+    with size_oblivious():
+        yield
+
+
 def no_recompile() -> contextlib.AbstractContextManager:
     """Make any Dynamo recompile raise (after warm-up a recompile is an error)."""
     return torch._dynamo.config.patch(error_on_recompile=True)
