@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from replay_backend.passes.common import is_op
 from replay_backend.passes.region import TRIM, ReplayRegionError, extract_replay_region
 from replay_backend.passes.split import split_at_ops
 
@@ -138,8 +139,7 @@ class _Compiler(torch.fx.Interpreter):
 def _trim_call_args(piece: fx.GraphModule, args) -> tuple[list, list]:
     """The (rows, consts) values the trim op receives inside its one-op piece."""
     env = dict(zip((n for n in piece.graph.nodes if n.op == "placeholder"), args))
-    call = next(n for n in piece.graph.nodes if n.op == "call_function" and n.args and n.args[-1] == 0
-                and isinstance(n.args[0], (list, tuple)))
+    call = next(n for n in piece.graph.nodes if is_op(n, TRIM))
     rows, consts = fx.map_arg((call.args[0], call.args[1]), lambda n: env[n])
     return list(rows), list(consts)
 

@@ -44,8 +44,7 @@ class CompiledReplayModel:
         return [m for m in gm.children() if isinstance(m, PieceRunner)] if gm is not None else []
 
     def captured_sizes(self, level: str) -> list[int]:
-        return sorted(set().union(*(r.graphs.keys() for r in self.runners(level)))) \
-            if self.runners(level) else []
+        return sorted({size for r in self.runners(level) for size in r.graphs})
 
     @property
     def __code__(self):

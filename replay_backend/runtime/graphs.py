@@ -61,9 +61,6 @@ class GraphLevel:
     size: int | None = None  # padded size of the running step; None = run pieces directly
     may_capture: bool = True  # False once serving started: no capture afterwards
 
-    def captured_sizes(self, runners) -> list[int]:
-        return sorted(set().union(*(r.graphs.keys() for r in runners))) if runners else []
-
 
 def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
