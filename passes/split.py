@@ -58,3 +58,26 @@ def split_at_ops(gm: fx.GraphModule, splitting_ops, replay_op: str | None = None
         ops = sum(1 for n in nodes if n.op in ("call_function", "call_method", "call_module"))
         infos.append(PieceInfo(node.target, kind, layers, ops, split_op))
     return split, infos
+
+
+def live_across(split: fx.GraphModule, piece: str) -> set[str]:
+    """Pieces before ``piece`` whose outputs are still read after it (or by it, for its
+    out-arguments, which the pieces after it read).
+
+    Their outputs are alive while ``piece`` runs; graphs it runs from the same memory
+    pool must not have been given their memory (see ``runtime/graphs.py``)."""
+    order = {n: i for i, n in enumerate(split.graph.nodes)}
+    at = next((n for n in split.graph.nodes if n.op == "call_module" and n.target == piece), None)
+    if at is None:
+        return set()
+
+    def readers(node: fx.Node):
+        for user in node.users:  # a multi-output piece is read through getitem nodes
+            if user.op == "call_function" and user.target.__name__ == "getitem":
+                yield from readers(user)
+            else:
+                yield user
+
+    return {n.target for n in split.graph.nodes
+            if n.op == "call_module" and order[n] < order[at]
+            and any(order[u] >= order[at] for u in readers(n))}

@@ -15,7 +15,7 @@ from torch import fx
 
 from replay_backend.passes.common import is_op
 from replay_backend.passes.region import TRIM, ReplayRegionError, extract_replay_region
-from replay_backend.passes.split import split_at_ops
+from replay_backend.passes.split import live_across, split_at_ops
 
 from . import inspection, torch_compat
 from .config import ReplayConfig
@@ -198,6 +198,12 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         with ctx:
             _Compiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
 
+    if region is not None:
+        trim_piece = next(p.name for p in main_infos if p.kind == "replay")
+        for name in live_across(split, trim_piece):
+            runner = getattr(split, name)
+            if isinstance(runner, PieceRunner):
+                runner.keep_outputs = True
     if region is not None and main_sizes and cfg.cudagraph_decoder_replay \
             and cfg.decoder_replay_trim_threshold > max(main_sizes):
         log.warning("dsv41_replay: decoder_replay_trim_threshold=%d exceeds the largest main capture "

@@ -7,6 +7,8 @@ the median of ``runs`` measurements after ``warmup`` ones.
 """
 from __future__ import annotations
 
+import copy
+import gc
 import json
 import statistics
 import time
@@ -35,8 +37,9 @@ WIDE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 163
 class ModeRun:
     mode: str
     setting: str
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # this mode's backend build (the shared trace is reported once)
     capture: dict = field(default_factory=dict)
+    memory_estimate_gib: float | None = None
     ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
     error: str | None = None
 
@@ -57,26 +60,53 @@ class _Dynamic:
             return self.fn(ids, pos)
 
 
-def _runner(model, mode: str, setting: str, args, cache: PieceCache) -> tuple[StepRunner, ReplayBackend | None]:
-    kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
-              max_num_batched_tokens=args.max_num_batched_tokens)
-    if mode == "eager":
-        return StepRunner(model, **kw), None
-    if mode == "reduce-overhead":
-        return StepRunner(model, forward=_Dynamic(torch.compile(model, mode="reduce-overhead")), **kw), None
+class SharedTrace:
+    """One Dynamo trace for every backend mode: the trace (the slow part of compiling a
+    40-layer model) hands its graph to each mode's backend, and calls run the model of
+    the mode selected now. Only the bench needs this; a server runs one mode."""
+
+    def __init__(self, backends: dict[str, ReplayBackend]) -> None:
+        self.backends = backends
+        self.current: str | None = None
+        self.build_s: dict[str, float] = {}
+
+    def __call__(self, gm, example_inputs):
+        for key, be in self.backends.items():
+            t0 = time.perf_counter()
+            be(copy.deepcopy(gm), example_inputs)
+            self.build_s[key] = time.perf_counter() - t0
+        return self.step
+
+    def step(self, *args):
+        return self.backends[self.current].model(*args)
+
+
+def _backend_config(mode: str, setting: str, args) -> ReplayConfig:
     opts = dict(MODE_OPTIONS[mode], max_num_batched_tokens=args.max_num_batched_tokens)
     if setting == "wide" and opts.get("cudagraph_mode") != "none":
         opts.update(max_cudagraph_capture_size=args.max_num_batched_tokens,
                     cudagraph_capture_sizes=[s for s in WIDE_SIZES if s <= args.max_num_batched_tokens])
-    be = ReplayBackend(ReplayConfig.from_options(opts), piece_cache=cache)
-    return StepRunner(model, backend=be, **kw), be
+    return ReplayConfig.from_options(opts)
 
 
-def _ttft(runner: StepRunner, isl: int, conc: int, tag: str, eager_replay: str) -> float:
+def _plan(args) -> list[tuple[str, str]]:
+    """(mode, setting) in the order given, the stock peer last. Modes without graphs of
+    this backend run at the default setting only."""
+    order = []
+    for mode in args.modes:
+        for setting in args.settings:
+            if setting == "wide" and mode in ("eager", "off", "parent", "reduce-overhead"):
+                continue
+            order.append((mode, setting))
+    # The stock peer last: it resets Dynamo, which drops the shared trace.
+    return sorted(order, key=lambda ms: ms[0] == "reduce-overhead")
+
+
+def _ttft(runner: StepRunner, isl: int, conc: int, tag: str) -> float:
     prompts = {f"{tag}-{i}": isl for i in range(conc)}
     _sync()
     t0 = time.perf_counter()
-    runner.prefill(prompts, eager_replay=eager_replay)
+    runner.prefill(prompts)
     _sync()
     ms = (time.perf_counter() - t0) * 1e3
     for rid in prompts:
@@ -89,9 +119,15 @@ def _kernel_floor_ms(runner: StepRunner, isl: int, conc: int) -> float:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _ttft(runner, isl, conc, "floor", "off")
+        _ttft(runner, isl, conc, "floor")
     total_us = sum(e.self_device_time_total for e in prof.key_averages())
     return total_us / 1e3
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_bench(args) -> dict:
@@ -99,51 +135,74 @@ def run_bench(args) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(preset(args.preset), device, dtype)
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
+    kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    plan = _plan(args)
+    cache = PieceCache()  # identical pieces compile once
+    shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache)
+                          for m, s in plan if m in MODE_OPTIONS})
+    shared_fwd = torch.compile(model, backend=shared, fullgraph=True)
     results: list[ModeRun] = []
     floors: dict = {}
     trim_host_us: list[float] = []
+    trace_s = None
     deadline = time.perf_counter() + args.max_seconds
-    cache = PieceCache()  # every mode's identical pieces compile once
-    for setting in args.settings:
-        for mode in args.modes:
-            if setting == "wide" and mode in ("eager", "off", "parent", "reduce-overhead"):
-                continue  # no graphs of this backend: the default setting already measured it
-            run = ModeRun(mode, setting)
-            results.append(run)
-            try:
-                runner, be = _runner(model, mode, setting, args, cache)
-                eager_replay = "off"
+    for mode, setting in plan:
+        run = ModeRun(mode, setting)
+        results.append(run)
+        key = f"{mode}/{setting}"
+        runner = None
+        try:
+            if mode == "eager":
+                runner = StepRunner(model, **kw)
+            elif mode == "reduce-overhead":
+                torch._dynamo.reset()  # our modes are done; the peer traces on its own
+                runner = StepRunner(model, forward=_Dynamic(torch.compile(model, mode="reduce-overhead")), **kw)
                 t0 = time.perf_counter()
-                runner.run(runner.dummy_batch(model.cfg.window))  # trace + compile
+                runner.run(runner.dummy_batch(model.cfg.window))
                 _sync()
                 run.compile_s = time.perf_counter() - t0
-                if be is not None and be.config.graphs_enabled:
+            else:
+                be = shared.backends[key]
+                shared.current = key
+                runner = StepRunner(model, forward=shared_fwd, backend=be, **kw)
+                t0 = time.perf_counter()
+                runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)
+                _sync()
+                if trace_s is None:  # the first call traced and built every mode
+                    trace_s = time.perf_counter() - t0 - sum(shared.build_s.values())
+                run.compile_s = shared.build_s[key]
+                if be.config.graphs_enabled:
+                    if device == "cuda":
+                        run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
                     run.capture = runner.capture()
-                for isl, conc in shapes:
-                    if time.perf_counter() > deadline:
-                        run.error = "time budget spent"
-                        break
-                    for w in range(args.warmup):
-                        _ttft(runner, isl, conc, f"w{w}", eager_replay)
-                    times = [_ttft(runner, isl, conc, f"m{k}", eager_replay) for k in range(args.runs)]
-                    run.ms[f"{isl}/{conc}"] = statistics.median(times)
-                    if mode == "replay" and device == "cuda":
+                    for level, c in run.capture.items():
+                        print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
+                              f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
+            for isl, conc in shapes:
+                if time.perf_counter() > deadline:
+                    run.error = "time budget spent"
+                    break
+                for w in range(args.warmup):
+                    _ttft(runner, isl, conc, f"w{w}")
+                times = [_ttft(runner, isl, conc, f"m{k}") for k in range(args.runs)]
+                run.ms[f"{isl}/{conc}"] = statistics.median(times)
+                if mode == "replay":
+                    rep = runner.backend.model.replay
+                    if rep is not None:
+                        trim_host_us.extend(list(rep.host_us)[-args.runs:])
+                    if device == "cuda":
                         floors.setdefault(setting, {})[f"{isl}/{conc}"] = _kernel_floor_ms(runner, isl, conc)
-                        if be is not None and be.model.replay is not None:
-                            trim_host_us.extend(be.model.replay.host_us[-args.runs:])
-                print(json.dumps(asdict(run)), flush=True)
-            except Exception as e:  # report the failure of one mode, keep the others
-                run.error = f"{type(e).__name__}: {e}"[:500]
-                print(json.dumps(asdict(run)), flush=True)
-            finally:
-                runner = be = None
-                torch._dynamo.reset()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+        except Exception as e:  # report the failure of one mode, keep the others
+            run.error = f"{type(e).__name__}: {e}"[:500]
+        print(json.dumps(asdict(run)), flush=True)
+        runner = None
+        shared.backends.pop(key, None)  # this mode's graphs and buffers go
+        _release()
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "results": [asdict(r) for r in results], "floor_ms": floors,
+            "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 
 
@@ -176,12 +235,36 @@ def render(report: dict) -> str:
             cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in modes if m != "replay"]
             cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    lines.append("\ncompile (s) and capture per mode:")
+    if report.get("trace_s") is not None:
+        lines.append(f"\nDynamo trace, once for every mode of this backend: {report['trace_s']:.1f} s")
+    lines.append("\nbuild (split + compile pieces; the first built compiles, the others reuse "
+                 "identical pieces) and capture per mode:")
     for r in report["results"]:
-        cap = ", ".join(f"{k}: {v['graphs']} graphs {v['seconds']:.1f} s {v['gib']:.2f} GiB"
-                        for k, v in (r["capture"] or {}).items())
-        lines.append(f"- {r['setting']}/{r['mode']}: compile {r['compile_s']:.1f} s; {cap or 'no graphs'}"
+        cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
+                        f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())
+        est = r.get("memory_estimate_gib")
+        lines.append(f"- {r['setting']}/{r['mode']}: build {r['compile_s']:.1f} s; {cap or 'no graphs'}"
+                     + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
     if report.get("trim_host_us_median") is not None:
         lines.append(f"\ntrim op host time per trimming step: median {report['trim_host_us_median']:.0f} us")
     return "\n".join(lines)
+
+
+def compile_only(args) -> dict:
+    """Trace and build the default ``replay`` mode once: run it twice in fresh processes
+    for cold and warm (Inductor's on-disk caches filled) compile times."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(preset(args.preset), device, torch.bfloat16 if device == "cuda" else torch.float32)
+    be = ReplayBackend(_backend_config("replay", "default", args))
+    shared = SharedTrace({"replay": be})
+    shared.current = "replay"
+    runner = StepRunner(model, forward=torch.compile(model, backend=shared, fullgraph=True), backend=be,
+                        max_num_seqs=max(args.conc), max_model_len=2 * model.cfg.window,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+    t0 = time.perf_counter()
+    runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)
+    _sync()
+    total = time.perf_counter() - t0
+    return {"preset": args.preset, "compile_s": total, "build_s": shared.build_s["replay"],
+            "trace_s": total - shared.build_s["replay"]}

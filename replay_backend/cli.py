@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-seconds", type=float, default=1e9, help="stop measuring new points after this")
     b.add_argument("--json", metavar="PATH", help="write the raw report here")
     b.add_argument("--out", metavar="PATH", help="write the markdown table here")
+    b.add_argument("--compile-only", action="store_true",
+                   help="only trace and build the replay mode, print the seconds (cold/warm compile)")
     b.set_defaults(fn=cmd_bench)
     return p
 
@@ -206,6 +208,15 @@ def _int_list(text: str) -> list[int]:
 def cmd_bench(args) -> int:
     if args.preset is None:
         args.preset = "mini-2k" if torch.cuda.is_available() else "tiny"
+    unknown = sorted(set(args.modes) - set(bench.MODES))
+    if unknown:
+        raise ValueError(f"unknown bench mode(s) {unknown}; choose from {list(bench.MODES)}")
+    bad = sorted(set(args.settings) - {"default", "wide"})
+    if bad:
+        raise ValueError(f"unknown capture setting(s) {bad}; choose default and/or wide")
+    if args.compile_only:
+        print(json.dumps(bench.compile_only(args)))
+        return 0
     report = bench.run_bench(args)
     text = bench.render(report)
     print(text)

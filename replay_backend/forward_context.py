@@ -36,6 +36,9 @@ class ForwardContext:
     # the replay region runs on it.
     active: "AttnView" = None  # type: ignore[assignment]
     step: StepInfo | None = None
+    # False: the compiled backend runs this step with no graph (no padding, no capture,
+    # the replay region directly): the first step, before capture, and memory probes.
+    use_graphs: bool = True
     # Filled by the compiled backend while its model runs: the replay-region runtime
     # the trim op dispatches to, and what the last trim did (for verify / tests).
     replay_runtime: Any = None

@@ -75,11 +75,10 @@ class StepRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.forward = forward if forward is not None else model
         # With a ReplayBackend the runner compiles the model itself, so it can capture
-        # graphs and turn a recompile after warm-up into an error.
+        # graphs and turn a recompile after warm-up into an error; with both, ``forward``
+        # is the model already compiled through ``backend`` (one trace, several backends).
         self.backend = backend
-        if backend is not None:
-            if forward is not None:
-                raise ValueError("pass either forward or backend, not both")
+        if backend is not None and forward is None:
             self.forward = torch.compile(model, backend=backend, fullgraph=True)
         self._blocks: dict[Any, int] = {}
 
@@ -108,8 +107,9 @@ class StepRunner:
                                 self.max_num_batched_tokens)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None) -> StepOutput:
-        ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay)
+    def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
+            use_graphs: bool = True) -> StepOutput:
+        ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay, use_graphs=use_graphs)
         fwd = forward if forward is not None else self.forward
         ids, pos = batch.input_ids, batch.positions
         if fwd is self.forward and self.backend is not None and batch.num_tokens == 1:
@@ -175,18 +175,32 @@ class StepRunner:
         replay = dataclasses.replace(b.replay, view=to_pad(b.replay.view))
         return dataclasses.replace(b, view=to_pad(b.view), replay=replay)
 
+    def _compiled_for_capture(self):
+        if self.backend is None:
+            raise RuntimeError("graphs need a StepRunner built with backend=ReplayBackend(...)")
+        # Trace and compile on a step that captures nothing: graphs come from capture(),
+        # in its order (main then replay, largest first).
+        self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
+        return self.backend.model
+
+    def _dummy_context(self):
+        # Replay graphs run outside any model step, under a dummy context.
+        return set_forward_context(ForwardContext(self.dummy_batch(self.cfg.window), self.kv))
+
+    def estimate_graph_memory(self):
+        """Graph memory :meth:`capture` would take (CUDA), measured without capturing."""
+        compiled = self._compiled_for_capture()
+        with self._dummy_context(), torch.inference_mode():
+            return compiled.estimate_graph_memory(lambda n: self.run(self.dummy_batch(n), use_graphs=False),
+                                                  lambda n: self.dummy_batch(n).replay.view)
+
     def capture(self) -> dict:
         """Warm up, capture main graphs then replay graphs (largest first), start serving.
 
         Returns the per-runner capture summary. Without CUDA the same sequence runs
         with emulated graphs."""
-        if self.backend is None:
-            raise RuntimeError("capture() needs a StepRunner built with backend=ReplayBackend(...)")
-        self.run(self.dummy_batch(self.cfg.window))  # trace + compile
-        compiled = self.backend.model
-        # Replay graphs are captured outside any model step, under a dummy context.
-        with set_forward_context(ForwardContext(self.dummy_batch(self.cfg.window), self.kv)), \
-                torch.inference_mode():
+        compiled = self._compiled_for_capture()
+        with self._dummy_context(), torch.inference_mode():
             summary = compiled.capture(lambda n: self.run(self.dummy_batch(n)),
                                        lambda n: self.dummy_batch(n).replay.view)
         compiled.start_serving()

@@ -77,6 +77,21 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, mode: str |
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def has_non_owning_alias() -> bool:
+    return hasattr(torch._C, "_construct_storage_from_data_pointer")
+
+
+def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep that memory allocated.
+
+    Graph outputs are held this way, so memory that the step frees returns to the graph
+    pool and later captures reuse it (the same trick as Inductor's CUDA graph trees)."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(
+        alias, t.storage_offset(), t.size(), t.stride())
+
+
 def symbolic_dims(t) -> list[int]:
     """Indices of the dimensions of a (fake) tensor that are symbolic."""
     return [i for i, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and not _is_constant(s)]

@@ -13,4 +13,7 @@ fi
 if [ "$#" -gt 0 ]; then
     timeout "${BENCH_TIMEOUT:-400}" replay-backend bench --json "$out/bench.json" --out "$out/bench.md" "$@" 2>&1 \
         | tee "$out/bench.log" | grep -v '^{' | tail -40
+    if [ "${WARM_COMPILE:-0}" = 1 ]; then  # again in a fresh process: Inductor's disk caches are warm
+        timeout 200 replay-backend bench --compile-only 2>&1 | tee "$out/compile_warm.log" | tail -2
+    fi
 fi

@@ -172,6 +172,20 @@ def test_plan_shape(shared):
     assert plan.as_dict()["replay_layers"] == [4, 7]
 
 
+def test_outputs_alive_across_the_trim_op_stay_owned(shared):
+    """Only the piece that allocates the trim op's outputs (read after the region) is
+    read across the trim op; its graph outputs must stay owned (runtime/graphs.py)."""
+    plan, m = shared.be.model.plan, shared.be.model
+    before_trim = plan.main_pieces[-2].name
+    assert {r.name for r in m.runners("main") if r.keep_outputs} == {before_trim}
+    assert not any(r.keep_outputs for r in m.runners("replay"))
+
+
+def test_graph_memory_estimate_needs_cuda(shared):
+    with pytest.raises(RuntimeError, match="needs CUDA graphs"):
+        shared.rc.estimate_graph_memory()
+
+
 def test_capture_state(shared):
     m, be = shared.be.model, shared.be
     assert be.frozen and m.serving

@@ -13,6 +13,7 @@ from collections import Counter
 import torch
 from torch import fx
 
+from .. import torch_compat
 from ..config import ReplayConfig, padded_size
 from ..forward_context import StepInfo, get_forward_context, has_forward_context
 from .graphs import GraphLevel, GraphResources, PieceRunner
@@ -76,7 +77,8 @@ class CompiledReplayModel:
         if not self.token_inputs:
             return self.split_gm(*args), None
         t = args[self.token_inputs[0]].shape[0]
-        tp = padded_size(self.main_level.sizes, t) if self.main_level.sizes else None
+        graphs = bool(self.main_level.sizes) and (ctx is None or ctx.use_graphs)
+        tp = padded_size(self.main_level.sizes, t) if graphs else None
         step = StepInfo("piecewise" if tp is not None else "eager", t, tp if tp is not None else t)
         if ctx is not None:
             ctx.step, ctx.replay_runtime = step, self.replay
@@ -105,6 +107,15 @@ class CompiledReplayModel:
         return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), tp
 
     # ---- capture --------------------------------------------------------------------
+    def estimate_graph_memory(self, run_step_without_graphs, replay_view_for):
+        """What :meth:`capture` will take from the GPU, measured without capturing
+        (a :class:`~replay_backend.runtime.memory.GraphMemoryEstimate`).
+        ``run_step_without_graphs(n)`` runs a dummy step of ``n`` tokens with a forward
+        context whose ``use_graphs`` is False."""
+        from .memory import estimate_graph_memory
+
+        return estimate_graph_memory(self, run_step_without_graphs, replay_view_for)
+
     def capture(self, run_main_step, replay_view_for) -> dict:
         """Capture every main size, then every replay size, largest first (SPEC §7).
 
@@ -115,26 +126,33 @@ class CompiledReplayModel:
         if self.serving:
             raise RuntimeError("graphs cannot be captured once serving started")
         summary = {}
+        # Non-owning graph outputs need the capture order below (main, then replay) for
+        # every graph in the pool: not when graphs were already captured lazily.
+        fresh = not any(r.graphs for level in ("main", "replay") for r in self.runners(level))
+        self.res.weak_outputs = self.res.use_cuda and fresh and torch_compat.has_non_owning_alias()
         stages = [("main", self.main_level.sizes, run_main_step)]
         if self.replay is not None and self.replay.level.sizes:
             stages.append(("replay", self.replay.level.sizes, self.replay.capture))
-        for name, sizes, fn in stages:
-            free0 = _gpu_free()
-            t0 = time.perf_counter()
-            if self.replay is not None:
-                self.replay.capture_phase = name == "main"
-            try:
-                for n in _progress(sorted(sizes, reverse=True), name):
-                    fn(n) if name == "main" else fn(n, replay_view_for(n))
-            finally:
+        try:
+            for name, sizes, fn in stages:
+                free0 = _gpu_free()
+                t0 = time.perf_counter()
                 if self.replay is not None:
-                    self.replay.capture_phase = False
-            secs = time.perf_counter() - t0
-            gib = max(0.0, (free0 - _gpu_free()) / 2 ** 30)
-            graphs = sum(len(r.graphs) for r in self.runners(name))
-            summary[name] = {"sizes": len(sizes), "graphs": graphs, "seconds": secs, "gib": gib}
-            log.info("captured %s graphs: %d sizes, %d graphs, %.2f s, %.3f GiB", name, len(sizes),
-                     graphs, secs, gib)
+                    self.replay.capture_phase = name == "main"
+                try:
+                    for n in _progress(sorted(sizes, reverse=True), name):
+                        fn(n) if name == "main" else fn(n, replay_view_for(n))
+                finally:
+                    if self.replay is not None:
+                        self.replay.capture_phase = False
+                secs = time.perf_counter() - t0
+                gib = max(0.0, (free0 - _gpu_free()) / 2 ** 30)
+                graphs = sum(len(r.graphs) for r in self.runners(name))
+                summary[name] = {"sizes": len(sizes), "graphs": graphs, "seconds": secs, "gib": gib}
+                log.info("captured %s graphs: %d sizes, %d graphs, %.2f s, %.3f GiB", name, len(sizes),
+                         graphs, secs, gib)
+        finally:
+            self.res.weak_outputs = False
         self.capture_summary = summary
         for c in self.dispatch.values():
             c.clear()  # count served steps only, not the warm-up and capture steps

@@ -9,6 +9,16 @@ pool. Without CUDA it is emulated faithfully: it keeps the inputs seen at captur
 on every replay recomputes from *those* tensors and copies into the *same* outputs, so
 a protocol bug (an eager op that allocates, a moved input) shows up on CPU as stale
 data exactly as it would on a GPU.
+
+Graph memory. During :meth:`CompiledReplayModel.capture` a CUDA graph keeps only
+non-owning aliases of its outputs, so the capturing step frees them where the step
+frees them and later captures in the pool reuse that memory: the pool holds about one
+step's activations instead of every output of every piece at every size. That is safe
+because graphs replay in the order they were captured, one step at a time, with the
+same lifetimes. The exception is a main piece whose outputs are alive across the trim
+op (``PieceRunner.keep_outputs``): replay graphs, captured later, run while those are
+alive, so those outputs stay owned and the pool never hands their memory out again.
+Graphs captured outside ``capture()`` (lazily, in any order) keep their outputs.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .. import torch_compat
 from ..counters import counters
 
 log = logging.getLogger("replay_backend")
@@ -35,6 +46,7 @@ class GraphResources:
     use_cuda: bool
     strict: bool = False
     check_every_replay: bool = False
+    weak_outputs: bool = False  # graphs hold non-owning output aliases (set by capture())
     pool: Any = None
     stream: Any = None
     _logged: set = field(default_factory=set)
@@ -70,19 +82,38 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
+def _map_tensors(fn: Callable, x):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_tensors(fn, item) for item in x)
+    return x
+
+
 class StaticGraph:
-    def __init__(self, name: str, fn: Callable, args: tuple, res: GraphResources) -> None:
+    """One captured piece at one size. ``owned`` holds the capturing step's outputs until
+    that step takes them (:meth:`take_owned`); ``outputs`` is what replays return."""
+
+    def __init__(self, name: str, fn: Callable, args: tuple, res: GraphResources,
+                 keep_outputs: bool = True) -> None:
         self.name, self.fn, self.res = name, fn, res
-        self.inputs = args
         self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         self.replays = 0
         if res.use_cuda:
+            self.inputs = None  # the addresses suffice; holding the tensors would pin memory
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=res.pool, stream=res.stream):
-                self.outputs = fn(*args)
+                self.owned = fn(*args)
+            weak = res.weak_outputs and not keep_outputs
+            self.outputs = _map_tensors(torch_compat.non_owning_alias, self.owned) if weak else self.owned
         else:
+            self.inputs = args  # the emulation recomputes from the captured inputs
             self.graph = None
-            self.outputs = fn(*args)
+            self.owned = self.outputs = fn(*args)
+
+    def take_owned(self):
+        owned, self.owned = self.owned, None
+        return owned
 
     def check_inputs(self, args: tuple) -> None:
         for i, (a, want) in enumerate(zip(args, self.addresses)):
@@ -116,11 +147,16 @@ class PieceRunner(nn.Module):
         self.__dict__["source"] = source  # the piece's FX graph, for dumps (not a child module)
         self.graphs: dict[int, StaticGraph] = {}
         self._warm: set[int] = set()
+        self.keep_outputs = False  # outputs alive across the trim op (set by the backend)
+        self.kept_bytes = 0  # their size in the last step run without graphs
 
     def forward(self, *args):
         size = self.level.size
         if size is None:
-            return self.fn(*args)
+            out = self.fn(*args)
+            if self.keep_outputs:  # read by the graph memory estimate
+                self.kept_bytes = sum(t.untyped_storage().nbytes() for t in _tensors(out))
+            return out
         graph = self.graphs.get(size)
         if graph is None:
             if not self.level.may_capture:
@@ -130,7 +166,8 @@ class PieceRunner(nn.Module):
             if self.res.use_cuda and size not in self._warm:
                 self.fn(*args)  # warm-up: compilation, autotuning, first kernel loads
                 self._warm.add(size)
-            graph = StaticGraph(f"{self.level.name}:{self.name}[{size}]", self.fn, args, self.res)
+            graph = StaticGraph(f"{self.level.name}:{self.name}[{size}]", self.fn, args, self.res,
+                                self.keep_outputs)
             self.graphs[size] = graph
             counters.captures[self.level.name] += 1
             # Capturing records work without doing it: run it once for this step. This
@@ -138,7 +175,7 @@ class PieceRunner(nn.Module):
             # next step's arguments (the emulated capture already computed the step).
             if graph.graph is not None:
                 graph.graph.replay()
-            return graph.outputs
+            return graph.take_owned()
         return graph.replay(args)
 
     def extra_repr(self) -> str:

@@ -105,7 +105,7 @@ class ReplayRuntime:
             # as replay rows), and all pad to the size that fits the largest rank.
             trim, rows_max = dp_agree(trim, rows_max, self.dp_group)
         n = rep.num_rows if trim else rows[0].shape[0]
-        if self.capture_phase or not self.level.sizes:
+        if self.capture_phase or not self.level.sizes or not ctx.use_graphs:
             size = None
         elif trim:
             size = padded_size(self.replay_sizes, max(n, rows_max))
@@ -139,9 +139,15 @@ class ReplayRuntime:
 
     def capture(self, size: int, view) -> None:
         """Capture the region's graphs for ``size`` on a dummy replay batch."""
-        if self.consts is None:
+        self._run_dummy(size, view, graphs=True)
+
+    def run_direct(self, size: int, view) -> None:
+        """Run the region without graphs on a dummy replay batch of ``size`` rows."""
+        self._run_dummy(size, view, graphs=False)
+
+    def _run_dummy(self, size: int, view, graphs: bool) -> None:
+        if self.consts is None or self.buffers is None:
             raise RuntimeError("run one step through the compiled model before capturing replay graphs")
         bufs = [b[:size] for b in self.buffers]
-        ctx = get_forward_context()
-        with ctx.activate(view):
-            self.run_region(bufs, self.consts, size)
+        with get_forward_context().activate(view):
+            self.run_region(bufs, self.consts, size if graphs else None)

@@ -1,0 +1,79 @@
+"""Graph memory estimate before capture (SPEC §7, issue: know the cost before paying it).
+
+All graphs share one pool and keep non-owning outputs (``runtime/graphs.py``), so the
+pool settles at about one step's activations at the largest main size, plus the
+outputs that stay owned because they are alive across the trim op (one set per main
+size), plus whatever the replay graphs need beyond the memory the main step freed.
+The estimate measures the two peaks by running one step at the largest main size and
+the region at the largest replay size without graphs, on the caching allocator the pool
+uses, and scales the owned outputs linearly in the token count.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GraphMemoryEstimate:
+    main_peak_bytes: int  # activations of one step at the largest main size
+    kept_bytes: int  # outputs alive across the trim op, summed over the main sizes
+    replay_peak_bytes: int  # the region at the largest replay size
+    total_bytes: int
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_gib": self.total_gib}
+
+
+@contextlib.contextmanager
+def _peak() -> Iterator[list[int]]:
+    """Yields a one-item list that holds the peak allocated bytes above the start."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = [0]
+    try:
+        yield result
+    finally:
+        torch.cuda.synchronize()
+        result[0] = max(0, torch.cuda.max_memory_allocated() - base)
+
+
+def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object],
+                          replay_view_for: Callable[[int], object]) -> GraphMemoryEstimate:
+    """``model`` is a CompiledReplayModel before capture; see its method of this name."""
+    if not model.res.use_cuda:
+        raise RuntimeError("estimate_graph_memory needs CUDA graphs: this model runs on "
+                           f"{'CPU' if not torch.cuda.is_available() else 'inputs not on CUDA'} "
+                           "or with cudagraph_mode='none'")
+    if model.serving or model.captured_sizes("main") or model.captured_sizes("replay"):
+        raise RuntimeError("estimate_graph_memory must run before any graph is captured")
+    main_sizes = sorted(model.main_level.sizes)
+    kept_runners = [r for r in model.runners("main") if r.keep_outputs]
+    main_peak = kept_at_max = replay_peak = 0
+    if main_sizes:
+        with _peak() as p:
+            run_step_without_graphs(main_sizes[-1])
+        main_peak = p[0]
+        kept_at_max = sum(r.kept_bytes for r in kept_runners)
+    rep = model.replay
+    if rep is not None and rep.replay_sizes and rep.consts is not None:
+        n = max(rep.level.sizes)
+        with _peak() as p:
+            rep.run_direct(n, replay_view_for(n))
+        replay_peak = p[0]
+    top = main_sizes[-1] if main_sizes else 1
+    kept = sum(kept_at_max * s // top for s in main_sizes)
+    # The largest step's owned outputs are inside its peak; the other sizes add theirs.
+    after_main = main_peak + kept - kept_at_max
+    total = max(after_main, kept + replay_peak)
+    return GraphMemoryEstimate(main_peak, kept, replay_peak, total)
