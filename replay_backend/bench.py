@@ -124,6 +124,25 @@ def _kernel_floor_ms(runner: StepRunner, isl: int, conc: int) -> float:
     return total_us / 1e3
 
 
+def _profile(runner: StepRunner, isl: int, conc: int, path: str) -> None:
+    """Where one TTFT's time goes: host wall time, GPU kernel time, top ops and kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        wall = _ttft(runner, isl, conc, "prof")
+    events = prof.key_averages()
+    kernels = [e for e in events if e.self_device_time_total > 0]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    launches = sum(e.count for e in kernels)
+    with open(path, "w") as f:
+        f.write(f"wall {wall:.2f} ms (profiled), GPU kernel time {gpu_ms:.2f} ms, {launches} kernels\n\n")
+        f.write(events.table(sort_by="self_device_time_total" if kernels else "self_cpu_time_total",
+                             row_limit=40, max_name_column_width=70))
+        f.write("\n\nby host time\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
+
 def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -187,6 +206,8 @@ def run_bench(args) -> dict:
                     _ttft(runner, isl, conc, f"w{w}")
                 times = [_ttft(runner, isl, conc, f"m{k}") for k in range(args.runs)]
                 run.ms[f"{isl}/{conc}"] = statistics.median(times)
+                if args.profile_dir and f"{isl}/{conc}" in args.profile_points:
+                    _profile(runner, isl, conc, f"{args.profile_dir}/{mode}-{setting}-{isl}-{conc}.txt")
                 if mode == "replay":
                     rep = runner.backend.model.replay
                     if rep is not None:

@@ -7,9 +7,7 @@ import torch
 from replay_backend import RequestChunk, StepRunner, build_model, preset
 from replay_backend.backend import ReplayBackend
 from replay_backend.compare import max_abs_err, max_abs_err_kv
-from replay_backend.config import ReplayConfig
 from replay_backend.counters import counters
-from replay_backend.verify import verify_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -54,33 +52,48 @@ def test_triton_attention_matches_reference(model32):
         assert max_abs_err_kv(a.kv, b.kv, oa.batch) < 1e-3
 
 
+def check_compositions(model, compiler: str, tol: float) -> None:
+    """One captured, serving runner (one compile) vs the eager oracle on every composition,
+    each after the same cached context built by the oracle path."""
+    runner = StepRunner(model, max_model_len=512, backend=ReplayBackend(compiler=compiler, **OPTS))
+    oracle = StepRunner(model, max_model_len=512)
+    runner.capture()
+    kinds = set()
+    for i, reqs in enumerate(COMPOSITIONS):
+        reqs = [RequestChunk(f"{r.req_id}{i}", r.query_len, r.seq_len, keep_all=r.keep_all) for r in reqs]
+        for r in (runner, oracle):
+            r.prefill_context(reqs, forward=model)
+        got, want = runner.step(reqs), oracle.step(reqs)
+        kinds.add((got.step.kind, bool(got.trim and got.trim.trimmed), bool(got.trim and got.trim.graph)))
+        assert max_abs_err(got.logits, want.logits) < tol, reqs
+        assert max_abs_err_kv(runner.kv, oracle.kv, got.batch) < tol, reqs
+        for r in (runner, oracle):
+            for q in reqs:
+                r.free(q.req_id)
+    # the compositions cover graphed steps that trim into replay graphs, graphed steps
+    # that do not trim, and eager steps that trim
+    assert {("piecewise", True, True), ("piecewise", False, True), ("eager", True, True)} <= kinds, kinds
+
+
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_compiled_matches_oracle_fp32(model32, compiler):
-    for reqs in COMPOSITIONS:
-        torch._dynamo.reset()
-        res = verify_step(model32, reqs, ReplayConfig.from_options(dict(OPTS, compiler=compiler)),
-                          capture=True, tolerance=1e-3)
-        assert res.ok, (reqs, res)
+    check_compositions(model32, compiler, 1e-3)
 
 
 def test_compiled_matches_oracle_bf16(model):
     """bf16 with the oracle's own kernels: only graph capture and trimming differ."""
-    for reqs in COMPOSITIONS:
-        torch._dynamo.reset()
-        res = verify_step(model, reqs, ReplayConfig.from_options(dict(OPTS, compiler="eager")),
-                          capture=True, tolerance=0.1)
-        assert res.ok, (reqs, res)
+    check_compositions(model, "eager", 0.1)
 
 
-def test_graph_replay_equals_eager_pieces_exactly(model):
+def test_graph_replay_equals_eager_pieces_exactly(model32):
     """The same compiled pieces on the same batch with and without graphs: bit-identical
     logits and KV. 56 tokens and 32 replay rows are capture sizes, so nothing is padded
     differently and every kernel sees the same shapes."""
     reqs = [RequestChunk("a", 40, 40), RequestChunk("b", 16, 16)]
     be = ReplayBackend(compiler="inductor", **OPTS)
-    graphs = StepRunner(model, max_model_len=512, backend=be)
+    graphs = StepRunner(model32, max_model_len=512, backend=be)
     graphs.capture()
-    plain = StepRunner(model, max_model_len=512, forward=graphs.forward, backend=be)
+    plain = StepRunner(model32, max_model_len=512, forward=graphs.forward, backend=be)
     og = graphs.step(reqs)
     assert og.step.kind == "piecewise" and og.step.padded_tokens == 56
     assert og.trim.trimmed and og.trim.graph and og.trim.padded == og.trim.rows == 32

@@ -102,8 +102,17 @@ class StaticGraph:
         if res.use_cuda:
             self.inputs = None  # the addresses suffice; holding the tensors would pin memory
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=res.pool, stream=res.stream):
-                self.owned = fn(*args)
+            # capture_begin/end rather than ``torch.cuda.graph``: that context runs
+            # gc.collect() and empty_cache() per graph, which dominates capturing
+            # thousands of piece graphs; the pool and stream are the shared ones.
+            res.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(res.stream):
+                self.graph.capture_begin(pool=res.pool)
+                try:
+                    self.owned = fn(*args)
+                finally:
+                    self.graph.capture_end()
+            torch.cuda.current_stream().wait_stream(res.stream)
             weak = res.weak_outputs and not keep_outputs
             self.outputs = _map_tensors(torch_compat.non_owning_alias, self.owned) if weak else self.owned
         else:
@@ -146,7 +155,7 @@ class PieceRunner(nn.Module):
         self.name, self.fn, self.level, self.res = name, fn, level, res
         self.__dict__["source"] = source  # the piece's FX graph, for dumps (not a child module)
         self.graphs: dict[int, StaticGraph] = {}
-        self._warm: set[int] = set()
+        self._warm = False
         self.keep_outputs = False  # outputs alive across the trim op (set by the backend)
         self.kept_bytes = 0  # their size in the last step run without graphs
 
@@ -163,9 +172,11 @@ class PieceRunner(nn.Module):
                 self.res.fallback("uncaptured_size", f"{self.level.name} graph for size {size} was not "
                                   "captured before serving; running the piece without a graph")
                 return self.fn(*args)
-            if self.res.use_cuda and size not in self._warm:
-                self.fn(*args)  # warm-up: compilation, autotuning, first kernel loads
-                self._warm.add(size)
+            if self.res.use_cuda and not self._warm:
+                # Warm-up before this piece's first capture: compilation, autotuning and
+                # first kernel loads happen once per piece (its kernels take any size).
+                self.fn(*args)
+                self._warm = True
             graph = StaticGraph(f"{self.level.name}:{self.name}[{size}]", self.fn, args, self.res,
                                 self.keep_outputs)
             self.graphs[size] = graph
