@@ -18,6 +18,7 @@ import torch
 
 from . import torch_compat
 from .backend import ReplayBackend
+from .compare import max_abs_err
 from .config import ReplayConfig
 from .models import build_model, preset
 from .piece_cache import PieceCache
@@ -41,6 +42,8 @@ class ModeRun:
     capture: dict = field(default_factory=dict)
     memory_estimate_gib: float | None = None
     ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
+    trim_host_us: dict = field(default_factory=dict)  # "isl/conc" -> median per trimming step
+    max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
     error: str | None = None
 
 
@@ -124,7 +127,7 @@ def _kernel_floor_ms(runner: StepRunner, isl: int, conc: int) -> float:
     return total_us / 1e3
 
 
-def _profile(runner: StepRunner, isl: int, conc: int, path: str) -> None:
+def _profile(runner: StepRunner, isl: int, conc: int, path: str, title: str) -> None:
     """Where one TTFT's time goes: host wall time, GPU kernel time, top ops and kernels."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,7 +138,8 @@ def _profile(runner: StepRunner, isl: int, conc: int, path: str) -> None:
     kernels = [e for e in events if e.self_device_time_total > 0]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     launches = sum(e.count for e in kernels)
-    with open(path, "w") as f:
+    with open(path, "a") as f:  # one file: every profile of the run, each under its title
+        f.write(f"\n\n######## {title}\n")
         f.write(f"wall {wall:.2f} ms (profiled), GPU kernel time {gpu_ms:.2f} ms, {launches} kernels\n\n")
         f.write(events.table(sort_by="self_device_time_total" if kernels else "self_cpu_time_total",
                              row_limit=40, max_name_column_width=70))
@@ -157,6 +161,9 @@ def run_bench(args) -> dict:
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
     plan = _plan(args)
+    ref_runner = StepRunner(model, **kw)
+    reference = ref_runner.prefill({"check": shapes[0][0]})["check"]
+    ref_runner = None
     cache = PieceCache()  # identical pieces compile once
     shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache)
                           for m, s in plan if m in MODE_OPTIONS})
@@ -176,7 +183,8 @@ def run_bench(args) -> dict:
                 runner = StepRunner(model, **kw)
             elif mode == "reduce-overhead":
                 torch._dynamo.reset()  # our modes are done; the peer traces on its own
-                runner = StepRunner(model, forward=_Dynamic(torch.compile(model, mode="reduce-overhead")), **kw)
+                peer = torch.compile(model, options=torch_compat.reduce_overhead_options())
+                runner = StepRunner(model, forward=_Dynamic(peer), **kw)
                 t0 = time.perf_counter()
                 runner.run(runner.dummy_batch(model.cfg.window))
                 _sync()
@@ -198,20 +206,27 @@ def run_bench(args) -> dict:
                     for level, c in run.capture.items():
                         print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
                               f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
+            # Same answer as the plain model on one prompt: a fast wrong mode is no result.
+            got = runner.prefill({"check": shapes[0][0]})["check"]
+            runner.free("check")
+            run.max_abs_err_vs_eager = max_abs_err(got, reference)
             for isl, conc in shapes:
                 if time.perf_counter() > deadline:
                     run.error = "time budget spent"
                     break
                 for w in range(args.warmup):
                     _ttft(runner, isl, conc, f"w{w}")
+                rep = runner.backend.model.replay if mode == "replay" else None
+                if rep is not None:
+                    rep.host_us.clear()  # the trimming steps of the timed runs only
                 times = [_ttft(runner, isl, conc, f"m{k}") for k in range(args.runs)]
                 run.ms[f"{isl}/{conc}"] = statistics.median(times)
-                if args.profile_dir and f"{isl}/{conc}" in args.profile_points:
-                    _profile(runner, isl, conc, f"{args.profile_dir}/{mode}-{setting}-{isl}-{conc}.txt")
+                if rep is not None and rep.host_us:
+                    trim_host_us.extend(rep.host_us)
+                    run.trim_host_us[f"{isl}/{conc}"] = statistics.median(rep.host_us)
+                if args.profile_out and f"{isl}/{conc}" in args.profile_points:
+                    _profile(runner, isl, conc, args.profile_out, f"{mode}/{setting} {isl}/{conc}")
                 if mode == "replay":
-                    rep = runner.backend.model.replay
-                    if rep is not None:
-                        trim_host_us.extend(list(rep.host_us)[-args.runs:])
                     if device == "cuda":
                         floors.setdefault(setting, {})[f"{isl}/{conc}"] = _kernel_floor_ms(runner, isl, conc)
         except Exception as e:  # report the failure of one mode, keep the others
@@ -264,11 +279,18 @@ def render(report: dict) -> str:
         cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
                         f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())
         est = r.get("memory_estimate_gib")
-        lines.append(f"- {r['setting']}/{r['mode']}: build {r['compile_s']:.1f} s; {cap or 'no graphs'}"
+        err = r.get("max_abs_err_vs_eager")
+        what = "trace + compile" if r["mode"] == "reduce-overhead" else "build"
+        lines.append(f"- {r['setting']}/{r['mode']}: {what} {r['compile_s']:.1f} s; {cap or 'no graphs'}"
+                     + (f"; logits vs eager max|d| {err:.3g}" if err is not None else "")
                      + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
     if report.get("trim_host_us_median") is not None:
         lines.append(f"\ntrim op host time per trimming step: median {report['trim_host_us_median']:.0f} us")
+        for r in report["results"]:
+            if r.get("trim_host_us"):
+                lines.append(f"- {r['setting']}/{r['mode']}: " + ", ".join(
+                    f"{k}: {v:.0f} us" for k, v in r["trim_host_us"].items()))
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import torch_compat
 from .forward_context import get_forward_context, has_forward_context
 
 BEGIN_OP = "dsv41_replay::replay_begin"
@@ -35,7 +36,7 @@ def _should_gather() -> bool:
     return ctx.eager_replay == "parent" and ctx.batch.has_trimmable_rows
 
 
-@torch.library.custom_op(BEGIN_OP, mutates_args=())
+@torch.library.custom_op(BEGIN_OP, mutates_args=(), tags=torch_compat.step_dependent_tags())
 def _replay_begin(xs: list[torch.Tensor], window: int = 0) -> list[torch.Tensor]:
     if not _should_gather():
         return [x.clone() for x in xs]
@@ -50,7 +51,7 @@ def _(xs, window=0):
     return [torch.empty_like(x) for x in xs]
 
 
-@torch.library.custom_op(END_OP, mutates_args=())
+@torch.library.custom_op(END_OP, mutates_args=(), tags=torch_compat.step_dependent_tags())
 def _replay_end(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     if not _should_gather():
         return [x.clone() for x in xs]

@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-seconds", type=float, default=1e9, help="stop measuring new points after this")
     b.add_argument("--json", metavar="PATH", help="write the raw report here")
     b.add_argument("--out", metavar="PATH", help="write the markdown table here")
-    b.add_argument("--profile-dir", metavar="DIR", help="write a profiler summary per mode and profiled point")
+    b.add_argument("--profile-out", metavar="FILE", help="append a profiler summary per mode and profiled point")
     b.add_argument("--profile-points", type=lambda s: s.split(","), default=["1024/1", "8192/1"],
                    metavar="ISL/CONC,...")
     b.add_argument("--compile-only", action="store_true",

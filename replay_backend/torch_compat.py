@@ -77,6 +77,27 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, mode: str |
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def step_dependent_tags() -> tuple:
+    """Tags for ops that read per-step host state (the forward context): a CUDA graph
+    must not capture them. Our backend never does (they are splitting or eager ops);
+    stock ``torch.compile(mode="reduce-overhead")`` reads the tag and leaves them out
+    of its graphs (graph partition) instead of replaying the first step's metadata."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return (tag,) if tag is not None else ()
+
+
+def reduce_overhead_options() -> dict:
+    """``torch.compile`` options equal to ``mode="reduce-overhead"`` (CUDA graph trees),
+    with graph partition where this torch has it, so ops tagged by
+    :func:`step_dependent_tags` run outside the graphs."""
+    import torch._inductor.config as inductor_config
+
+    opts = {"triton.cudagraphs": True}
+    if hasattr(inductor_config, "graph_partition"):
+        opts["graph_partition"] = True
+    return opts
+
+
 def has_non_owning_alias() -> bool:
     return hasattr(torch._C, "_construct_storage_from_data_pointer")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import torch_compat
 from ..config import ReplayConfig, padded_size
 from ..counters import counters
 from ..forward_context import get_forward_context
@@ -31,7 +32,7 @@ class TrimRecord:
     graph: bool
 
 
-@torch.library.custom_op("dsv41_replay::trim_and_redispatch", mutates_args=("outs",))
+@torch.library.custom_op("dsv41_replay::trim_and_redispatch", mutates_args=("outs",), tags=torch_compat.step_dependent_tags())
 def trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
                         outs: list[torch.Tensor], region: int) -> None:
     runtime = get_forward_context().replay_runtime
@@ -64,6 +65,7 @@ class ReplayRuntime:
         self.level, self.res = level, res
         self.replay_sizes = replay_sizes  # sizes a trimmed step pads to
         self.buffers: list[torch.Tensor] | None = None
+        self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
@@ -75,6 +77,13 @@ class ReplayRuntime:
             n = max(self.level.sizes)
             self.buffers = [torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in rows]
         return self.buffers
+
+    def _sliced(self, rows: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+        """The static buffers at ``size`` rows (kept: slicing is host time per step)."""
+        views = self._views.get(size)
+        if views is None:
+            views = self._views[size] = [b[:size] for b in self._static_inputs(rows)]
+        return views
 
     def run_region(self, inputs, consts, size: int | None):
         self.level.size = size
@@ -117,7 +126,7 @@ class ReplayRuntime:
                 inputs = [x.index_select(0, rep.rows_t) for x in rows] if trim else rows
                 res = self.run_region(inputs, consts, None)
             else:
-                bufs = [b[:size] for b in self._static_inputs(rows)]
+                bufs = self._sliced(rows, size)
                 for b, x in zip(bufs, rows):
                     if trim:
                         torch.index_select(x, 0, rep.rows_t, out=b[:n])
@@ -148,6 +157,6 @@ class ReplayRuntime:
     def _run_dummy(self, size: int, view, graphs: bool) -> None:
         if self.consts is None or self.buffers is None:
             raise RuntimeError("run one step through the compiled model before capturing replay graphs")
-        bufs = [b[:size] for b in self.buffers]
+        bufs = self._sliced(self.buffers, size)
         with get_forward_context().activate(view):
             self.run_region(bufs, self.consts, size if graphs else None)
