@@ -84,6 +84,19 @@ class SharedTrace:
         return self.backends[self.current].model(*args)
 
 
+def _model_config(args):
+    overrides = {}
+    for item in getattr(args, "model_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--model-option wants KEY=VALUE, got {item!r}")
+        overrides[key] = int(value) if value.isdigit() else value
+    try:
+        return preset(args.preset, **overrides)
+    except TypeError as e:
+        raise ValueError(f"--model-option: {e}") from None
+
+
 def _backend_config(mode: str, setting: str, args) -> ReplayConfig:
     opts = dict(MODE_OPTIONS[mode], max_num_batched_tokens=args.max_num_batched_tokens)
     if setting == "wide" and opts.get("cudagraph_mode") != "none":
@@ -156,7 +169,7 @@ def _release() -> None:
 def run_bench(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build_model(preset(args.preset), device, dtype)
+    model = build_model(_model_config(args), device, dtype)
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
@@ -237,6 +250,7 @@ def run_bench(args) -> dict:
         _release()
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
+            "model_options": list(args.model_option or []),
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
             "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
@@ -247,7 +261,8 @@ def _fmt(value, spec: str) -> str:
 
 
 def render(report: dict) -> str:
-    lines = [f"# {report['preset']} {report['dtype']} on {report['device']} (torch {report['torch']}), "
+    opts = " ".join(report.get("model_options") or [])
+    lines = [f"# {report['preset']}{' (' + opts + ')' if opts else ''} {report['dtype']} on {report['device']} (torch {report['torch']}), "
              f"median of {report['runs']} after {report['warmup']} warm-up, "
              f"max_num_batched_tokens {report['max_num_batched_tokens']}"]
     by = {(r["setting"], r["mode"]): r for r in report["results"]}
@@ -298,7 +313,7 @@ def compile_only(args) -> dict:
     """Trace and build the default ``replay`` mode once: run it twice in fresh processes
     for cold and warm (Inductor's on-disk caches filled) compile times."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(preset(args.preset), device, torch.bfloat16 if device == "cuda" else torch.float32)
+    model = build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32)
     be = ReplayBackend(_backend_config("replay", "default", args))
     shared = SharedTrace({"replay": be})
     shared.current = "replay"

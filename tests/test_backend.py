@@ -186,6 +186,21 @@ def test_graph_memory_estimate_needs_cuda(shared):
         shared.rc.estimate_graph_memory()
 
 
+def test_fused_sinkhorn_op_compiles_into_the_replay_region(cfg):
+    """The fused Sinkhorn is one opaque custom op inside graph pieces, also in the replay
+    region (row-local, so the region check accepts it); same numbers as the reference."""
+    from replay_backend.models import build_model
+
+    fused = build_model(cfg.replace(sinkhorn_impl="fused"))
+    env = build_env(fused)
+    plan = env.be.model.plan
+    assert plan.replay_off_reason is None
+    ops = "\n".join(r.source.code for r in env.be.model.runners("replay"))
+    assert "dsv41.sinkhorn" in ops
+    env.ro = StepRunner(build_model(cfg), max_model_len=MAX_MODEL_LEN)  # the reference model
+    compare(env, [R("a", 60, 60), R("b", 1, 30)], expect=dict(trims=1, replay_dispatch={32: 1}))
+
+
 def test_capture_state(shared):
     m, be = shared.be.model, shared.be
     assert be.frozen and m.serving

@@ -159,3 +159,20 @@ def test_grouped_moe_matches_dense():
     moe.impl = "dense"
     dense = moe(x)
     assert max_abs_err(grouped, dense) < 0.05 * dense.abs().max().item()
+
+
+def test_fused_sinkhorn_matches_reference():
+    from replay_backend.models import sinkhorn_triton
+    from replay_backend.models.layers import sinkhorn
+
+    mix = torch.randn(1000, 24, device="cuda") * 3  # a strided [T, 4, 4] view, as in the model
+    logits = mix[:, 8:].view(1000, 4, 4)
+    assert sinkhorn_triton.supports(logits)
+    fused = torch.ops.dsv41.sinkhorn(logits, 20)
+    assert max_abs_err(fused, sinkhorn(logits, 20)) < 1e-5
+    ref = build_model(CFG, "cuda", torch.float32)
+    fast = build_model(CFG.replace(sinkhorn_impl="fused"), "cuda", torch.float32)
+    a, b = StepRunner(fast, max_model_len=512), StepRunner(ref, max_model_len=512)
+    reqs = COMPOSITIONS[0]
+    a.prefill_context(reqs), b.prefill_context(reqs)
+    assert max_abs_err(a.step(reqs).logits, b.step(reqs).logits) < 1e-3

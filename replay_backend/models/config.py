@@ -42,6 +42,9 @@ class ModelConfig:
     attention_impl: str = "auto"
     # "auto": grouped GEMMs on CUDA when torch._grouped_mm exists, else dense.
     moe_impl: str = "auto"
+    # "reference": the mHC Sinkhorn as PyTorch ops (~2 kernels per iteration after
+    # Inductor); "fused": one op, one Triton kernel on CUDA (the reference elsewhere).
+    sinkhorn_impl: str = "reference"
 
     def __post_init__(self) -> None:
         problems = []
@@ -67,6 +70,8 @@ class ModelConfig:
             problems.append(f"attention_impl must be auto, reference or triton, got {self.attention_impl!r}")
         if self.moe_impl not in ("auto", "dense", "grouped"):
             problems.append(f"moe_impl must be auto, dense or grouped, got {self.moe_impl!r}")
+        if self.sinkhorn_impl not in ("reference", "fused"):
+            problems.append(f"sinkhorn_impl must be reference or fused, got {self.sinkhorn_impl!r}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 

@@ -74,7 +74,8 @@ class FFN(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, gen: torch.Generator) -> None:
         super().__init__()
-        args = (cfg.hc_mult, cfg.hidden_size, cfg.rms_eps, cfg.hc_eps, cfg.sinkhorn_iters, gen)
+        args = (cfg.hc_mult, cfg.hidden_size, cfg.rms_eps, cfg.hc_eps, cfg.sinkhorn_iters, gen,
+                cfg.sinkhorn_impl)
         self.attn_hc = HyperConnection(*args)
         self.attn = Attention(cfg, layer, gen)
         self.ffn_hc = HyperConnection(*args)

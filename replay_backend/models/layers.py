@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import sinkhorn_triton
 from .attention_ops import rms_norm
 
 
@@ -50,6 +51,20 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
+@torch.library.custom_op("dsv41::sinkhorn", mutates_args=())
+def sinkhorn_fused(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """:func:`sinkhorn` as one op: one Triton kernel where it can run, else the
+    reference. Row-local (each token's matrix alone), no host sync."""
+    if logits.is_cuda and sinkhorn_triton.available() and sinkhorn_triton.supports(logits):
+        return sinkhorn_triton.sinkhorn(logits, iters)
+    return sinkhorn(logits.float(), iters)
+
+
+@sinkhorn_fused.register_fake
+def _(logits, iters):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
 class HyperConnection(nn.Module):
     """mHC mixing for one sublayer: from the flattened stream, ``pre``, ``post``, ``comb``.
 
@@ -57,9 +72,10 @@ class HyperConnection(nn.Module):
     """
 
     def __init__(self, hc: int, hidden: int, eps: float, hc_eps: float, iters: int,
-                 gen: torch.Generator) -> None:
+                 gen: torch.Generator, sinkhorn_impl: str = "reference") -> None:
         super().__init__()
         self.hc, self.eps, self.hc_eps, self.iters = hc, eps, hc_eps, iters
+        self.sinkhorn_impl = sinkhorn_impl
         n = 2 * hc + hc * hc
         self.weight = _param(gen, n, hc * hidden, std=(hc * hidden) ** -0.5)
         self.bias = _param(gen, n, std=0.5)
@@ -71,7 +87,11 @@ class HyperConnection(nn.Module):
         mix = flat @ self.weight.float().t() + self.bias.float()
         pre = torch.sigmoid(mix[:, :hc]) + self.hc_eps
         post = 2.0 * torch.sigmoid(mix[:, hc:2 * hc])
-        comb = sinkhorn(mix[:, 2 * hc:].view(t, hc, hc), self.iters)
+        logits = mix[:, 2 * hc:].view(t, hc, hc)
+        if self.sinkhorn_impl == "fused":
+            comb = torch.ops.dsv41.sinkhorn(logits, self.iters)
+        else:
+            comb = sinkhorn(logits, self.iters)
         return pre, post, comb
 
 

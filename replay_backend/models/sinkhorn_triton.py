@@ -1,0 +1,57 @@
+"""Triton kernel for the mHC Sinkhorn mix (softmax, then alternating normalisation).
+
+The reference (``layers.sinkhorn``) is ``1 + 2 * iters`` small reductions, which
+Inductor emits as about two kernels per iteration: 40 launches per hyper-connection
+at 20 iterations, 3,200 per forward of a 40-layer model. Here one program keeps
+``BLOCK`` tokens' ``hc x hc`` matrices in registers for all iterations: one launch.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU machines without triton
+    triton = None
+
+BLOCK = 64
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _sinkhorn_kernel(x_ptr, out_ptr, n_rows, stride_row, ITERS: tl.constexpr, HC: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        i = tl.arange(0, HC)
+        j = tl.arange(0, HC)
+        mask = (rows < n_rows)[:, None, None]
+        cell = i[None, :, None] * HC + j[None, None, :]
+        # Rows past the end load zeros: a uniform matrix, finite, never stored.
+        m = tl.load(x_ptr + rows[:, None, None].to(tl.int64) * stride_row + cell, mask=mask, other=0.0)
+        m = m.to(tl.float32)
+        m = tl.exp(m - tl.max(m, axis=2, keep_dims=True))
+        m = m / tl.sum(m, axis=2, keep_dims=True)
+        for _ in tl.static_range(ITERS):
+            m = m / tl.sum(m, axis=1, keep_dims=True)
+            m = m / tl.sum(m, axis=2, keep_dims=True)
+        tl.store(out_ptr + rows[:, None, None].to(tl.int64) * (HC * HC) + cell, m, mask=mask)
+
+
+def supports(logits: torch.Tensor) -> bool:
+    """[T, hc, hc] with hc a power of two and each row's hc*hc values contiguous."""
+    t, a, b = logits.shape
+    return a == b and a & (a - 1) == 0 and logits.stride(2) == 1 and logits.stride(1) == a
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    t, hc, _ = logits.shape
+    out = torch.empty((t, hc, hc), dtype=torch.float32, device=logits.device)
+    if t:
+        _sinkhorn_kernel[(triton.cdiv(t, BLOCK),)](logits, out, t, logits.stride(0), ITERS=iters, HC=hc,
+                                                   BLOCK_T=BLOCK)
+    return out
