@@ -8,7 +8,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.lo
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rA -p no:warnings tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
 fi
 if [ "$#" -gt 0 ]; then
     timeout "${BENCH_TIMEOUT:-400}" replay-backend bench --json "$out/bench.json" --out "$out/bench.md" "$@" 2>&1 \
