@@ -130,14 +130,18 @@ def _ttft(runner: StepRunner, isl: int, conc: int, tag: str) -> float:
     return ms
 
 
+def _kernels(events) -> list:
+    """Device-side events only: a CPU op's "self CUDA" time is its kernels' time again."""
+    return [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+
+
 def _kernel_floor_ms(runner: StepRunner, isl: int, conc: int) -> float:
     """Sum of GPU kernel times of one TTFT (the profile's device self time)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _ttft(runner, isl, conc, "floor")
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / 1e3
+    return sum(e.self_device_time_total for e in _kernels(prof.key_averages())) / 1e3
 
 
 def _profile(runner: StepRunner, isl: int, conc: int, path: str, title: str) -> None:
@@ -148,7 +152,7 @@ def _profile(runner: StepRunner, isl: int, conc: int, path: str, title: str) -> 
     with profile(activities=acts) as prof:
         wall = _ttft(runner, isl, conc, "prof")
     events = prof.key_averages()
-    kernels = [e for e in events if e.self_device_time_total > 0]
+    kernels = _kernels(events)
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     launches = sum(e.count for e in kernels)
     with open(path, "a") as f:  # one file: every profile of the run, each under its title

@@ -109,8 +109,8 @@ def test_graph_replay_equals_eager_pieces_exactly(model32):
 
 def test_capture_memory_is_about_one_step_and_matches_the_estimate(model):
     """83 main sizes up to 1024: graphs hold non-owning outputs, so the pool is about one
-    1024-token step, not the sum over sizes (which is ~30x more here); the estimate made
-    before capture is close; and every size still computes the right thing."""
+    1024-token step plus a fixed cost per graph, not every piece's outputs at every size;
+    the estimate made before capture is close; every size still computes the right thing."""
     opts = dict(OPTS, max_cudagraph_capture_size=1024, decoder_replay_trim_threshold=768, max_num_seqs=8)
     be = ReplayBackend(compiler="eager", **opts)
     runner = StepRunner(model, max_model_len=1024, max_num_seqs=8, backend=be)
@@ -119,7 +119,8 @@ def test_capture_memory_is_about_one_step_and_matches_the_estimate(model):
     summary = runner.capture()
     took = sum(level["gib"] for level in summary.values())
     assert 0 < est.total_gib < 1.0
-    assert took <= 1.5 * est.total_gib + 0.125, (summary, est)
+    assert est.graphs >= sum(level["graphs"] for level in summary.values())
+    assert 0.5 * est.total_gib <= took <= 1.5 * est.total_gib + 0.125, (summary, est)
     for reqs in ([RequestChunk("a", 900, 900)], [RequestChunk("a", 300, 300), RequestChunk("b", 1, 40)],
                  [RequestChunk("a", 130, 130), RequestChunk("b", 100, 100), RequestChunk("c", 37, 37)]):
         got, want = runner.step(reqs), oracle.step(reqs)

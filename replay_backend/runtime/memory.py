@@ -1,4 +1,4 @@
-"""Graph memory estimate before capture (SPEC §7, issue: know the cost before paying it).
+"""Graph memory estimate before capture (SPEC §7: know the cost before paying it).
 
 All graphs share one pool and keep non-owning outputs (``runtime/graphs.py``), so the
 pool settles at about one step's activations at the largest main size, plus the
@@ -7,6 +7,11 @@ size), plus whatever the replay graphs need beyond the memory the main step free
 The estimate measures the two peaks by running one step at the largest main size and
 the region at the largest replay size without graphs, on the caching allocator the pool
 uses, and scales the owned outputs linearly in the token count.
+
+On top of that every captured graph costs device memory of its own (the instantiated
+graph and the pool's segment rounding). That part is not measurable without
+capturing, so it is a per-graph constant, ``PER_GRAPH_BYTES``, fitted on an H200
+(CUDA 13): docs/benchmarks.md lists the runs and how close the estimate came.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 GIB = 2 ** 30
+PER_GRAPH_BYTES = 3 * 2 ** 18  # 0.75 MiB
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,8 @@ class GraphMemoryEstimate:
     main_peak_bytes: int  # activations of one step at the largest main size
     kept_bytes: int  # outputs alive across the trim op, summed over the main sizes
     replay_peak_bytes: int  # the region at the largest replay size
+    graphs: int  # graphs capture() will take (sizes x graph pieces, both levels)
+    per_graph_bytes: int
     total_bytes: int
 
     @property
@@ -49,7 +57,8 @@ def _peak() -> Iterator[list[int]]:
 
 
 def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object],
-                          replay_view_for: Callable[[int], object]) -> GraphMemoryEstimate:
+                          replay_view_for: Callable[[int], object],
+                          per_graph_bytes: int = PER_GRAPH_BYTES) -> GraphMemoryEstimate:
     """``model`` is a CompiledReplayModel before capture; see its method of this name."""
     if not model.res.use_cuda:
         raise RuntimeError("estimate_graph_memory needs CUDA graphs: this model runs on "
@@ -75,5 +84,9 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     kept = sum(kept_at_max * s // top for s in main_sizes)
     # The largest step's owned outputs are inside its peak; the other sizes add theirs.
     after_main = main_peak + kept - kept_at_max
-    total = max(after_main, kept + replay_peak)
-    return GraphMemoryEstimate(main_peak, kept, replay_peak, total)
+    pools = max(after_main, kept + replay_peak)
+    graphs = len(main_sizes) * len(model.runners("main"))
+    if rep is not None:
+        graphs += len(rep.level.sizes) * len(model.runners("replay"))
+    return GraphMemoryEstimate(main_peak, kept, replay_peak, graphs, per_graph_bytes,
+                               pools + graphs * per_graph_bytes)
