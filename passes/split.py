@@ -5,6 +5,7 @@ pieces; everything between two splitting ops becomes one graph piece.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -73,7 +74,7 @@ def live_across(split: fx.GraphModule, piece: str) -> set[str]:
 
     def readers(node: fx.Node):
         for user in node.users:  # a multi-output piece is read through getitem nodes
-            if user.op == "call_function" and user.target.__name__ == "getitem":
+            if user.op == "call_function" and user.target is operator.getitem:
                 yield from readers(user)
             else:
                 yield user
