@@ -18,13 +18,13 @@ import torch
 
 from . import torch_compat
 from .backend import ReplayBackend
+from .bench_report import MODES, render  # noqa: F401  (bench.render: the CLI's and tests')
 from .compare import max_abs_err
 from .config import ReplayConfig
 from .models import build_model, preset
 from .piece_cache import PieceCache
 from .runner import StepRunner
 
-MODES = ("eager", "off", "parent", "piecewise", "replay", "reduce-overhead")
 MODE_OPTIONS = {
     "off": {"cudagraph_mode": "none", "decoder_replay": False},
     "parent": {"cudagraph_mode": "none", "cudagraph_decoder_replay": False},
@@ -170,6 +170,60 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, device: str):
+    """A runner for ``run``'s mode, compiled and captured. Returns it and, for the first
+    of this backend's modes, the seconds of the shared Dynamo trace (else None)."""
+    key = f"{run.mode}/{run.setting}"
+    if run.mode == "eager":
+        return StepRunner(model, **kw), None
+    if run.mode == "reduce-overhead":
+        torch._dynamo.reset()  # our modes are done; the peer traces on its own
+        peer = torch.compile(model, options=torch_compat.reduce_overhead_options())
+        runner = StepRunner(model, forward=_Dynamic(peer), **kw)
+        t0 = time.perf_counter()
+        runner.run(runner.dummy_batch(model.cfg.window))
+        _sync()
+        run.compile_s = time.perf_counter() - t0
+        return runner, None
+    be = shared.backends[key]
+    shared.current = key
+    runner = StepRunner(model, forward=shared_fwd, backend=be, **kw)
+    first = not shared.build_s
+    t0 = time.perf_counter()
+    runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)  # the first call traces
+    _sync()
+    traced = time.perf_counter() - t0 - sum(shared.build_s.values()) if first else None
+    run.compile_s = shared.build_s[key]
+    if be.config.graphs_enabled:
+        if device == "cuda":
+            run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
+        run.capture = runner.capture()
+        for level, c in run.capture.items():
+            print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
+                  f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
+    return runner, traced
+
+
+def _measure(run: ModeRun, runner: StepRunner, isl: int, conc: int, args, device: str,
+             floors: dict, trim_host_us: list) -> None:
+    """Median TTFT of one point, and for ``replay`` its trim host time and kernel floor."""
+    point = f"{isl}/{conc}"
+    for w in range(args.warmup):
+        _ttft(runner, isl, conc, f"w{w}")
+    rep = runner.backend.model.replay if run.mode == "replay" else None
+    if rep is not None:
+        rep.host_us.clear()  # the trimming steps of the timed runs only
+    times = [_ttft(runner, isl, conc, f"m{k}") for k in range(args.runs)]
+    run.ms[point] = statistics.median(times)
+    if rep is not None and rep.host_us:
+        trim_host_us.extend(rep.host_us)
+        run.trim_host_us[point] = statistics.median(rep.host_us)
+    if args.profile_out and point in args.profile_points:
+        _profile(runner, isl, conc, args.profile_out, f"{run.mode}/{run.setting} {point}")
+    if run.mode == "replay" and device == "cuda":
+        floors.setdefault(run.setting, {})[point] = _kernel_floor_ms(runner, isl, conc)
+
+
 def run_bench(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -196,33 +250,9 @@ def run_bench(args) -> dict:
         key = f"{mode}/{setting}"
         runner = None
         try:
-            if mode == "eager":
-                runner = StepRunner(model, **kw)
-            elif mode == "reduce-overhead":
-                torch._dynamo.reset()  # our modes are done; the peer traces on its own
-                peer = torch.compile(model, options=torch_compat.reduce_overhead_options())
-                runner = StepRunner(model, forward=_Dynamic(peer), **kw)
-                t0 = time.perf_counter()
-                runner.run(runner.dummy_batch(model.cfg.window))
-                _sync()
-                run.compile_s = time.perf_counter() - t0
-            else:
-                be = shared.backends[key]
-                shared.current = key
-                runner = StepRunner(model, forward=shared_fwd, backend=be, **kw)
-                t0 = time.perf_counter()
-                runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)
-                _sync()
-                if trace_s is None:  # the first call traced and built every mode
-                    trace_s = time.perf_counter() - t0 - sum(shared.build_s.values())
-                run.compile_s = shared.build_s[key]
-                if be.config.graphs_enabled:
-                    if device == "cuda":
-                        run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
-                    run.capture = runner.capture()
-                    for level, c in run.capture.items():
-                        print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
-                              f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
+            runner, traced = _prepare(run, model, kw, shared, shared_fwd, device)
+            if traced is not None and trace_s is None:
+                trace_s = traced
             # Same answer as the plain model on one prompt: a fast wrong mode is no result.
             got = runner.prefill({"check": shapes[0][0]})["check"]
             runner.free("check")
@@ -231,21 +261,7 @@ def run_bench(args) -> dict:
                 if time.perf_counter() > deadline:
                     run.error = "time budget spent"
                     break
-                for w in range(args.warmup):
-                    _ttft(runner, isl, conc, f"w{w}")
-                rep = runner.backend.model.replay if mode == "replay" else None
-                if rep is not None:
-                    rep.host_us.clear()  # the trimming steps of the timed runs only
-                times = [_ttft(runner, isl, conc, f"m{k}") for k in range(args.runs)]
-                run.ms[f"{isl}/{conc}"] = statistics.median(times)
-                if rep is not None and rep.host_us:
-                    trim_host_us.extend(rep.host_us)
-                    run.trim_host_us[f"{isl}/{conc}"] = statistics.median(rep.host_us)
-                if args.profile_out and f"{isl}/{conc}" in args.profile_points:
-                    _profile(runner, isl, conc, args.profile_out, f"{mode}/{setting} {isl}/{conc}")
-                if mode == "replay":
-                    if device == "cuda":
-                        floors.setdefault(setting, {})[f"{isl}/{conc}"] = _kernel_floor_ms(runner, isl, conc)
+                _measure(run, runner, isl, conc, args, device, floors, trim_host_us)
         except Exception as e:  # report the failure of one mode, keep the others
             run.error = f"{type(e).__name__}: {e}"[:500]
         print(json.dumps(asdict(run)), flush=True)
@@ -258,59 +274,6 @@ def run_bench(args) -> dict:
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
             "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else spec.format(value)
-
-
-def render(report: dict) -> str:
-    opts = " ".join(report.get("model_options") or [])
-    lines = [f"# {report['preset']}{' (' + opts + ')' if opts else ''} {report['dtype']} on {report['device']} (torch {report['torch']}), "
-             f"median of {report['runs']} after {report['warmup']} warm-up, "
-             f"max_num_batched_tokens {report['max_num_batched_tokens']}"]
-    by = {(r["setting"], r["mode"]): r for r in report["results"]}
-    for setting in ("default", "wide"):
-        rows = {k for (s, _), r in by.items() if s == setting for k in r["ms"]}
-        if not rows:
-            continue
-        modes = [m for m in MODES if (setting, m) in by or (setting == "wide" and ("default", m) in by)]
-        lines.append(f"\n## capture setting: {setting}\n")
-        head = "| ISL/conc | " + " | ".join(f"{m} ms" for m in modes) + " | floor ms | " + \
-            " | ".join(f"replay speed-up vs {m}" for m in modes if m != "replay") + " | replay / floor |"
-        lines += [head, "|" + "---|" * (head.count("|") - 1)]
-        for key in sorted(rows, key=lambda k: tuple(int(x) for x in k.split("/"))):
-            def ms(m):
-                r = by.get((setting, m)) or by.get(("default", m))
-                return r["ms"].get(key) if r else None
-
-            rep = ms("replay")
-            floor = report["floor_ms"].get(setting, {}).get(key)
-            cells = [_fmt(ms(m), "{:.1f}") for m in modes] + [_fmt(floor, "{:.1f}")]
-            cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in modes if m != "replay"]
-            cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
-            lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    if report.get("trace_s") is not None:
-        lines.append(f"\nDynamo trace, once for every mode of this backend: {report['trace_s']:.1f} s")
-    lines.append("\nbuild (split + compile pieces; the first built compiles, the others reuse "
-                 "identical pieces) and capture per mode:")
-    for r in report["results"]:
-        cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
-                        f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())
-        est = r.get("memory_estimate_gib")
-        err = r.get("max_abs_err_vs_eager")
-        what = "trace + compile" if r["mode"] == "reduce-overhead" else "build"
-        lines.append(f"- {r['setting']}/{r['mode']}: {what} {r['compile_s']:.1f} s; {cap or 'no graphs'}"
-                     + (f"; logits vs eager max|d| {err:.3g}" if err is not None else "")
-                     + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
-                     + (f"; ERROR {r['error']}" if r["error"] else ""))
-    if report.get("trim_host_us_median") is not None:
-        lines.append(f"\ntrim op host time per trimming step: median {report['trim_host_us_median']:.0f} us")
-        for r in report["results"]:
-            if r.get("trim_host_us"):
-                lines.append(f"- {r['setting']}/{r['mode']}: " + ", ".join(
-                    f"{k}: {v:.0f} us" for k, v in r["trim_host_us"].items()))
-    return "\n".join(lines)
 
 
 def compile_only(args) -> dict:

@@ -1,0 +1,58 @@
+"""The benchmark report as text: the seed's table shape per capture setting, then
+compile, capture, memory and trim-op host time (SPEC §9)."""
+from __future__ import annotations
+
+MODES = ("eager", "off", "parent", "piecewise", "replay", "reduce-overhead")
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def render(report: dict) -> str:
+    opts = " ".join(report.get("model_options") or [])
+    lines = [f"# {report['preset']}{' (' + opts + ')' if opts else ''} {report['dtype']} on {report['device']} (torch {report['torch']}), "
+             f"median of {report['runs']} after {report['warmup']} warm-up, "
+             f"max_num_batched_tokens {report['max_num_batched_tokens']}"]
+    by = {(r["setting"], r["mode"]): r for r in report["results"]}
+    for setting in ("default", "wide"):
+        rows = {k for (s, _), r in by.items() if s == setting for k in r["ms"]}
+        if not rows:
+            continue
+        modes = [m for m in MODES if (setting, m) in by or (setting == "wide" and ("default", m) in by)]
+        lines.append(f"\n## capture setting: {setting}\n")
+        head = "| ISL/conc | " + " | ".join(f"{m} ms" for m in modes) + " | floor ms | " + \
+            " | ".join(f"replay speed-up vs {m}" for m in modes if m != "replay") + " | replay / floor |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for key in sorted(rows, key=lambda k: tuple(int(x) for x in k.split("/"))):
+            def ms(m):
+                r = by.get((setting, m)) or by.get(("default", m))
+                return r["ms"].get(key) if r else None
+
+            rep = ms("replay")
+            floor = report["floor_ms"].get(setting, {}).get(key)
+            cells = [_fmt(ms(m), "{:.1f}") for m in modes] + [_fmt(floor, "{:.1f}")]
+            cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in modes if m != "replay"]
+            cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    if report.get("trace_s") is not None:
+        lines.append(f"\nDynamo trace, once for every mode of this backend: {report['trace_s']:.1f} s")
+    lines.append("\nbuild (split + compile pieces; the first built compiles, the others reuse "
+                 "identical pieces) and capture per mode:")
+    for r in report["results"]:
+        cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
+                        f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())
+        est = r.get("memory_estimate_gib")
+        err = r.get("max_abs_err_vs_eager")
+        what = "trace + compile" if r["mode"] == "reduce-overhead" else "build"
+        lines.append(f"- {r['setting']}/{r['mode']}: {what} {r['compile_s']:.1f} s; {cap or 'no graphs'}"
+                     + (f"; logits vs eager max|d| {err:.3g}" if err is not None else "")
+                     + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
+                     + (f"; ERROR {r['error']}" if r["error"] else ""))
+    if report.get("trim_host_us_median") is not None:
+        lines.append(f"\ntrim op host time per trimming step: median {report['trim_host_us_median']:.0f} us")
+        for r in report["results"]:
+            if r.get("trim_host_us"):
+                lines.append(f"- {r['setting']}/{r['mode']}: " + ", ".join(
+                    f"{k}: {v:.0f} us" for k, v in r["trim_host_us"].items()))
+    return "\n".join(lines)
