@@ -15,6 +15,7 @@ from replay_backend.models import attention_ops
 from replay_backend.models.attention_ops import rms_norm
 from replay_backend.models.layers import (
     HyperConnection,
+    MoE,
     apply_rope,
     hc_collapse,
     hc_merge,
@@ -207,6 +208,23 @@ def test_moe_matches_naive_per_token_loop(model):
         with torch.no_grad():
             got = moe(x)
         torch.testing.assert_close(got.double(), _naive_moe(moe, x), atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_moe_op_matches_the_naive_loop():
+    """``dsv41::moe_grouped`` (sort by expert, grouped GEMMs, unsort) on CPU bf16, where
+    this torch's ``_grouped_mm`` runs; the model uses it on CUDA only."""
+    moe = MoE(64, 4, 2, 32, 32, _gen(21), impl="dense").to(torch.bfloat16)
+    x = torch.randn(50, 64, generator=_gen(22)).to(torch.bfloat16)
+    scores = torch.softmax(x.float() @ moe.router.float().t(), dim=-1)
+    top_w, top_i = torch.topk(scores, 2, dim=-1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    try:
+        routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, moe.w_gate_up, moe.w_down)
+    except (RuntimeError, NotImplementedError) as e:  # a torch without CPU grouped GEMMs
+        pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    got = routed.double() + MoE._swiglu(x, moe.s_gate_up, moe.s_down).double()
+    want = _naive_moe(moe, x)
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
 
 
 # --------------------------------------------------------------------------------------

@@ -176,8 +176,9 @@ def moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gat
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     g, u = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm((torch.nn.functional.silu(g) * u).to(x.dtype), w_down.transpose(1, 2), offs=offs)
-    # Unsort and weight per row: a fixed-order sum, so replays are bit-identical.
-    y = y[torch.argsort(order)].view(t, k, -1)
+    # Unsort (row p of y is pair order[p]; a permutation, so the copy is deterministic)
+    # and weight per row: a fixed-order sum, so replays are bit-identical.
+    y = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
     return (y.float() * top_w[..., None]).sum(1).to(x.dtype)
 
 
