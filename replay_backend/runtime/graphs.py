@@ -47,6 +47,7 @@ class GraphResources:
     strict: bool = False
     check_every_replay: bool = False
     weak_outputs: bool = False  # graphs hold non-owning output aliases (set by capture())
+    measuring: bool = False  # the memory estimate is running: pieces record kept_bytes
     pool: Any = None
     stream: Any = None
     _logged: set = field(default_factory=set)
@@ -163,7 +164,7 @@ class PieceRunner(nn.Module):
         size = self.level.size
         if size is None:
             out = self.fn(*args)
-            if self.keep_outputs:  # read by the graph memory estimate
+            if self.keep_outputs and self.res.measuring:  # for the graph memory estimate
                 self.kept_bytes = sum(t.untyped_storage().nbytes() for t in _tensors(out))
             return out
         graph = self.graphs.get(size)

@@ -70,8 +70,12 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     kept_runners = [r for r in model.runners("main") if r.keep_outputs]
     main_peak = kept_at_max = replay_peak = 0
     if main_sizes:
-        with _peak() as p:
-            run_step_without_graphs(main_sizes[-1])
+        model.res.measuring = True
+        try:
+            with _peak() as p:
+                run_step_without_graphs(main_sizes[-1])
+        finally:
+            model.res.measuring = False
         main_peak = p[0]
         kept_at_max = sum(r.kept_bytes for r in kept_runners)
     rep = model.replay
