@@ -36,7 +36,8 @@ def _should_gather() -> bool:
     return ctx.eager_replay == "parent" and ctx.batch.has_trimmable_rows
 
 
-@torch.library.custom_op(BEGIN_OP, mutates_args=(), tags=torch_compat.step_dependent_tags())
+@torch.library.custom_op(BEGIN_OP, mutates_args=(),
+                          tags=torch_compat.step_dependent_tags())
 def _replay_begin(xs: list[torch.Tensor], window: int = 0) -> list[torch.Tensor]:
     if not _should_gather():
         return [x.clone() for x in xs]
@@ -51,7 +52,8 @@ def _(xs, window=0):
     return [torch.empty_like(x) for x in xs]
 
 
-@torch.library.custom_op(END_OP, mutates_args=(), tags=torch_compat.step_dependent_tags())
+@torch.library.custom_op(END_OP, mutates_args=(),
+                          tags=torch_compat.step_dependent_tags())
 def _replay_end(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     if not _should_gather():
         return [x.clone() for x in xs]

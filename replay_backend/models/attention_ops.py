@@ -148,21 +148,24 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
         out[n:] = 0  # padded rows: deterministic, never read
 
 
-@torch.library.custom_op("dsv41::swa_attention", mutates_args=("out",), tags=torch_compat.step_dependent_tags())
+@torch.library.custom_op("dsv41::swa_attention", mutates_args=("out",),
+                          tags=torch_compat.step_dependent_tags())
 def swa_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
                   layer: int) -> None:
     """Layers below the first KV source: own sliding-window KV only."""
     _run_attention(layer, q, kv, sink, out)
 
 
-@torch.library.custom_op("dsv41::global_attention", mutates_args=("out",), tags=torch_compat.step_dependent_tags())
+@torch.library.custom_op("dsv41::global_attention", mutates_args=("out",),
+                          tags=torch_compat.step_dependent_tags())
 def global_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
                      layer: int) -> None:
     """Own SWA KV plus the global KV of the latest source below (replay layers included)."""
     _run_attention(layer, q, kv, sink, out)
 
 
-@torch.library.custom_op("dsv41::source_attention", mutates_args=("out",), tags=torch_compat.step_dependent_tags())
+@torch.library.custom_op("dsv41::source_attention", mutates_args=("out",),
+                          tags=torch_compat.step_dependent_tags())
 def source_attention(q: torch.Tensor, kv: torch.Tensor, comp_kv: torch.Tensor,
                      comp_gate: torch.Tensor | None, comp_norm: torch.Tensor, sink: torch.Tensor,
                      out: torch.Tensor, layer: int) -> None:

@@ -32,7 +32,8 @@ class TrimRecord:
     graph: bool
 
 
-@torch.library.custom_op("dsv41_replay::trim_and_redispatch", mutates_args=("outs",), tags=torch_compat.step_dependent_tags())
+@torch.library.custom_op("dsv41_replay::trim_and_redispatch", mutates_args=("outs",),
+                          tags=torch_compat.step_dependent_tags())
 def trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
                         outs: list[torch.Tensor], region: int) -> None:
     runtime = get_forward_context().replay_runtime
