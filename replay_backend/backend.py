@@ -181,7 +181,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
             if cfg.cudagraph_decoder_replay else main_sizes
         rlevel = GraphLevel("replay", sorted(set(replay_sizes) | set(below)))
-        replay = ReplayRuntime(rsplit, cfg, window, rlevel, replay_sizes, res, dp_group)
+        replay = ReplayRuntime(rsplit, cfg, window, rlevel, replay_sizes, res, dp_group, main_sizes)
 
         def compile_region(trim_args):
             rows, consts = trim_args

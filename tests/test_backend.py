@@ -144,6 +144,8 @@ def check_dispatch(out, kind, padded, trimmed, rows, rpad):
         assert out.trim.rows == rows
     assert out.trim.padded == rpad
     assert out.trim.graph is (rpad is not None)
+    # a graphed main step that trims into a replay graph gathers and scatters in graphs
+    assert out.trim.io_graphs is (kind == "piecewise" and trimmed and rpad is not None)
 
 
 # ======================================================================================
@@ -348,10 +350,45 @@ def test_stale_replay_rows_do_not_leak(shared):
     assert (first.trim.rows, first.trim.padded) == (31, 32)
     out = compare(shared, [R("q", 50, 50), R("d", 1, 20)])
     assert (out.trim.rows, out.trim.padded) == (17, 32)
-    # rows 17..30 of the replay buffers still hold the previous step's rows: they were
-    # computed on and discarded, and the comparison above saw none of it
+    # rows 17..31 of the replay buffers are padding (copies of the step's row 0 when the
+    # gathers run as graphs, else the previous step's rows): computed on and discarded,
+    # and the comparison above saw none of it
     stale = m.replay.buffers[0][17:31]
     assert (stale != 0).any()
+
+
+def test_trim_gathers_and_scatter_run_as_graphs(shared):
+    """Every trimming main size x replay size has a gather and a scatter graph; a step
+    through them matches the oracle, and the trimmed rows of its output are zeros."""
+    io = shared.be.model.replay.io
+    assert set(io.graphs) == {(s, r) for s in (48, 56, 64) for r in REPLAY_SIZES}
+    assert shared.summary["replay"]["trim_io_graphs"] == 2 * len(io.graphs)
+    reqs = [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)]  # 61 tokens -> 64; 27 replay rows -> 32
+    prefill_both(shared, reqs)
+    gather, scatter = io.graphs[(64, 32)]
+    replays = gather.replays, scatter.replays
+    seen, compiled = {}, shared.rc.forward
+
+    def spy(*args):
+        seen["hidden"] = compiled(*args)
+        return seen["hidden"]
+
+    shared.rc.forward = spy
+    try:
+        got = shared.rc.step(reqs)
+    finally:
+        shared.rc.forward = compiled
+    check_outputs(shared, got, shared.ro.step(reqs))
+    assert got.trim.io_graphs and (got.trim.rows, got.trim.padded) == (27, 32)
+    assert (gather.replays, scatter.replays) == (replays[0] + 1, replays[1] + 1)
+    kept = set(got.batch.replay.rows)
+    trimmed = [i for i in range(got.batch.num_tokens) if i not in kept]
+    hidden = seen["hidden"]
+    assert trimmed and (hidden[trimmed] == 0).all()
+    assert (hidden[sorted(kept)].abs().sum(-1) > 0).all()
+    for r in (shared.rc, shared.ro):
+        for q in reqs:
+            r.free(q.req_id)
 
 
 def test_steps_through_the_compiled_runner_keep_caches_exact(shared):

@@ -139,9 +139,13 @@ class CompiledReplayModel:
                 t0 = time.perf_counter()
                 if self.replay is not None:
                     self.replay.capture_phase = name == "main"
+                io_graphs = 0
                 try:
                     for n in _progress(sorted(sizes, reverse=True), name):
-                        fn(n) if name == "main" else fn(n, replay_view_for(n))
+                        if name == "main":
+                            fn(n)
+                        else:
+                            io_graphs += fn(n, replay_view_for(n))
                 finally:
                     if self.replay is not None:
                         self.replay.capture_phase = False
@@ -149,8 +153,10 @@ class CompiledReplayModel:
                 gib = max(0.0, (free0 - _gpu_free()) / 2 ** 30)
                 graphs = sum(len(r.graphs) for r in self.runners(name))
                 summary[name] = {"sizes": len(sizes), "graphs": graphs, "seconds": secs, "gib": gib}
-                log.info("captured %s graphs: %d sizes, %d graphs, %.2f s, %.3f GiB", name, len(sizes),
-                         graphs, secs, gib)
+                if name == "replay":
+                    summary[name]["trim_io_graphs"] = io_graphs
+                log.info("captured %s graphs: %d sizes, %d graphs (+%d trim gather/scatter), %.2f s, %.3f GiB",
+                         name, len(sizes), graphs, io_graphs, secs, gib)
         finally:
             self.res.weak_outputs = False
         self.capture_summary = summary

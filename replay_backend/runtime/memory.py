@@ -92,5 +92,6 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     graphs = len(main_sizes) * len(model.runners("main"))
     if rep is not None:
         graphs += len(rep.level.sizes) * len(model.runners("replay"))
+        graphs += 2 * len(rep.trim_main_sizes) * len(rep.replay_sizes)  # trim_io.py
     return GraphMemoryEstimate(main_peak, kept, replay_peak, graphs, per_graph_bytes,
                                pools + graphs * per_graph_bytes)

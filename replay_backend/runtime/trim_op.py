@@ -20,6 +20,7 @@ from ..config import ReplayConfig, padded_size
 from ..counters import counters
 from ..forward_context import get_forward_context
 from .graphs import GraphLevel, GraphResources
+from .trim_io import TrimIO
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class TrimRecord:
     rows: int  # replay rows when trimmed, else the step's tokens (both before padding)
     padded: int | None  # replay graph size, None when the region ran without graphs
     graph: bool
+    io_graphs: bool = False  # the gathers and scatter ran as graphs too (trim_io.py)
 
 
 @torch.library.custom_op("dsv41_replay::trim_and_redispatch", mutates_args=("outs",),
@@ -60,11 +62,17 @@ def dp_agree(needs: bool, rows: int, group) -> tuple[bool, int]:
 
 class ReplayRuntime:
     def __init__(self, region: nn.Module, cfg: ReplayConfig, window: int, level: GraphLevel,
-                 replay_sizes: list[int], res: GraphResources, dp_group=None) -> None:
+                 replay_sizes: list[int], res: GraphResources, dp_group=None,
+                 main_sizes: list[int] | None = None) -> None:
         self.region, self.cfg, self.window = region, cfg, window
         self.dp_group = dp_group  # data-parallel ranks that must replay together (SPEC §6)
         self.level, self.res = level, res
         self.replay_sizes = replay_sizes  # sizes a trimmed step pads to
+        # Main sizes whose steps trim (PIECEWISE, at or above the threshold): their gathers
+        # and scatter become graphs too (trim_io.py).
+        self.trim_main_sizes = sorted(s for s in main_sizes or [] if s >= cfg.decoder_replay_trim_threshold) \
+            if cfg.cudagraph_decoder_replay and replay_sizes else []
+        self.io: TrimIO | None = None
         self.buffers: list[torch.Tensor] | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
@@ -77,6 +85,8 @@ class ReplayRuntime:
         if self.buffers is None:
             n = max(self.level.sizes)
             self.buffers = [torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in rows]
+            if self.trim_main_sizes:
+                self.io = TrimIO(n, max(self.trim_main_sizes), rows[0].device, self.res)
         return self.buffers
 
     def _sliced(self, rows: list[torch.Tensor], size: int) -> list[torch.Tensor]:
@@ -122,8 +132,16 @@ class ReplayRuntime:
         else:
             size = n if piecewise and n in self.level.sizes else None
         view = rep.view if trim else batch.view
+        io_pair = (step.padded_tokens, size) if piecewise and trim and size is not None else None
+        if self.capture_phase and piecewise and self.io is not None:
+            self.io.remember(step.padded_tokens, rows, outs)
         with ctx.activate(view):
-            if size is None:
+            if io_pair is not None and self.io is not None and io_pair in self.io.graphs:
+                bufs = self._sliced(rows, size)
+                self.io.stage(rep.rows, size, step.padded_tokens)
+                self.io.run(*io_pair, rows, bufs, lambda: self.run_region(bufs, consts, size), outs)
+                res = None
+            elif size is None:
                 inputs = [x.index_select(0, rep.rows_t) for x in rows] if trim else rows
                 res = self.run_region(inputs, consts, None)
             else:
@@ -134,7 +152,7 @@ class ReplayRuntime:
                     else:
                         b.copy_(x[:size])
                 res = self.run_region(bufs, consts, size)
-        for o, r in zip(outs, res):
+        for o, r in zip(outs, res or ()):
             if trim:
                 o.zero_()  # trimmed rows: zeros nobody reads, never stale data
                 o.index_copy_(0, rep.rows_t, r[:n])
@@ -143,21 +161,27 @@ class ReplayRuntime:
         counters.trims += int(trim)
         counters.untrimmed += int(not trim)
         counters.replay_dispatch[size if size is not None else "eager"] += 1
-        ctx.last_trim = TrimRecord(trim, n if trim else batch.num_tokens, size, size is not None)
+        ctx.last_trim = TrimRecord(trim, n if trim else batch.num_tokens, size, size is not None,
+                                   io_graphs=res is None)
         if trim:
             self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
 
-    def capture(self, size: int, view) -> None:
-        """Capture the region's graphs for ``size`` on a dummy replay batch."""
-        self._run_dummy(size, view, graphs=True)
+    def capture(self, size: int, view) -> int:
+        """Capture the region's graphs for ``size`` on a dummy replay batch, then the
+        trim op's gather and scatter graphs for every trimming main size and this replay
+        size. Returns how many of the latter were captured."""
+        res = self._run_dummy(size, view, graphs=True)
+        if self.io is None or size not in self.replay_sizes:
+            return 0
+        return self.io.capture(size, self._sliced(self.buffers, size), list(res), self.trim_main_sizes)
 
     def run_direct(self, size: int, view) -> None:
         """Run the region without graphs on a dummy replay batch of ``size`` rows."""
         self._run_dummy(size, view, graphs=False)
 
-    def _run_dummy(self, size: int, view, graphs: bool) -> None:
+    def _run_dummy(self, size: int, view, graphs: bool):
         if self.consts is None or self.buffers is None:
             raise RuntimeError("run one step through the compiled model before capturing replay graphs")
         bufs = self._sliced(self.buffers, size)
         with get_forward_context().activate(view):
-            self.run_region(bufs, self.consts, size if graphs else None)
+            return self.run_region(bufs, self.consts, size if graphs else None)

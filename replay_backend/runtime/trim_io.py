@@ -1,0 +1,112 @@
+"""The trim op's gathers and scatter as graphs, for steps whose main pieces are graphed.
+
+In a PIECEWISE step at main size S that trims into replay size R, every tensor the trim
+op moves has a fixed address: its row tensors and outputs are outputs of main pieces
+captured at S (owned: they are alive across the trim op, see ``graphs.py``), and the
+region's inputs and outputs are its static buffers and its graphs' outputs at R. So
+the gathers into the region and the scatter back are graphs per (S, R), and what is
+left on the host per step is to write the replay rows into a staging buffer, one copy
+to the device, and two replays (instead of a launch per row tensor and per output).
+
+The per-step index data lives in one device buffer: ``[0, R)`` the rows to gather
+(padded with row 0, whose copies only fill padded replay rows), ``[R_max, R_max + S)``
+for each main row its replay row plus one, or 0 for a trimmed row. The gather graph
+also derives the scatter's index and mask from it, so the scatter reads only device
+memory. Neither graph allocates: every op writes into a buffer that exists already,
+so these graphs take nothing from the shared pool that a replay graph could reuse.
+"""
+from __future__ import annotations
+
+import torch
+
+from .graphs import GraphResources, StaticGraph
+
+
+def _gather(k: int):
+    def run(*args):
+        rows, bufs = args[:k], args[k:2 * k]
+        gidx, row_map, sidx, smask = args[2 * k:]
+        for b, x in zip(bufs, rows):
+            torch.index_select(x, 0, gidx, out=b)
+        torch.sub(row_map, 1, out=sidx)
+        sidx.clamp_(min=0)
+        torch.gt(row_map, 0, out=smask)
+    return run
+
+
+def _scatter(k: int):
+    def run(*args):
+        res, outs = args[:k], args[k:2 * k]
+        sidx, smask = args[2 * k:]
+        for o, r in zip(outs, res):
+            torch.index_select(r, 0, sidx, out=o)
+            o.mul_(smask.view(-1, *[1] * (o.dim() - 1)))  # trimmed rows: zeros, never stale
+    return run
+
+
+class TrimIO:
+    def __init__(self, max_rows: int, max_tokens: int, device: torch.device, res: GraphResources) -> None:
+        self.rmax, self.smax, self.res = max_rows, max_tokens, res
+        self.index = torch.zeros(max_rows + max_tokens, dtype=torch.int64, device=device)
+        self.sidx = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.smask = torch.zeros(max_tokens, dtype=torch.bool, device=device)
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(max_rows + max_tokens, dtype=torch.int64, pin_memory=pinned)
+        # The copy from the staging buffer is asynchronous: the next step waits for it
+        # before writing the buffer again (by then it has long finished).
+        self.copied = torch.cuda.Event() if pinned else None
+        self.main_io: dict[int, tuple[list, list]] = {}  # S -> (rows, outs) while main graphs capture
+        self.graphs: dict[tuple[int, int], tuple[StaticGraph, StaticGraph]] = {}
+
+    def remember(self, size: int, rows: list, outs: list) -> None:
+        """The trim op's tensors in the main capture step at ``size`` (owned, fixed)."""
+        if size <= self.smax:
+            self.main_io[size] = (list(rows), list(outs))
+
+    def _gather_args(self, size: int, rows_size: int, rows, bufs) -> tuple:
+        return (*rows, *bufs, self.index[:rows_size], self.index[self.rmax:self.rmax + size],
+                self.sidx[:size], self.smask[:size])
+
+    def _scatter_args(self, size: int, res, outs) -> tuple:
+        return (*res, *outs, self.sidx[:size], self.smask[:size])
+
+    def capture(self, rows_size: int, bufs: list, res: list, sizes: list[int]) -> int:
+        """Capture the (S, ``rows_size``) pairs for every remembered main size in
+        ``sizes``, right after the region's graphs at ``rows_size`` (``res`` are their
+        outputs). Returns the number of graphs captured."""
+        n = 0
+        for size in sizes:
+            if size not in self.main_io or (size, rows_size) in self.graphs:
+                continue
+            rows, outs = self.main_io[size]
+            pair = []
+            for name, fn, args in (("gather", _gather(len(rows)), self._gather_args(size, rows_size, rows, bufs)),
+                                   ("scatter", _scatter(len(outs)), self._scatter_args(size, res, outs))):
+                if self.res.use_cuda:
+                    fn(*args)  # warm-up: first kernel loads happen outside the capture
+                pair.append(StaticGraph(f"trim-{name}[{size},{rows_size}]", fn, args, self.res))
+            self.graphs[(size, rows_size)] = (pair[0], pair[1])
+            n += 2
+        return n
+
+    def stage(self, rows: tuple[int, ...], rows_size: int, size: int) -> None:
+        """Write one step's index data to the device: one copy."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        n = len(rows)
+        idx = torch.tensor(rows, dtype=torch.int64)
+        self.host[:rows_size].zero_()
+        self.host[:n] = idx
+        row_map = self.host[self.rmax:self.rmax + size]
+        row_map.zero_()
+        row_map[idx] = torch.arange(1, n + 1, dtype=torch.int64)
+        self.index[:self.rmax + size].copy_(self.host[:self.rmax + size], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def run(self, size: int, rows_size: int, rows, bufs, region, outs) -> None:
+        """Gather (graph), ``region()`` runs the region and returns its outputs, scatter
+        (graph). The step's index data must be staged."""
+        gather, scatter = self.graphs[(size, rows_size)]
+        gather.replay(self._gather_args(size, rows_size, rows, bufs))
+        scatter.replay(self._scatter_args(size, region(), outs))
