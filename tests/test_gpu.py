@@ -64,15 +64,16 @@ def check_compositions(model, compiler: str, tol: float) -> None:
         for r in (runner, oracle):
             r.prefill_context(reqs, forward=model)
         got, want = runner.step(reqs), oracle.step(reqs)
-        kinds.add((got.step.kind, bool(got.trim and got.trim.trimmed), bool(got.trim and got.trim.graph)))
+        kinds.add((got.step.kind, got.trim.trimmed, got.trim.graph, got.trim.io_graphs))
         assert max_abs_err(got.logits, want.logits) < tol, reqs
         assert max_abs_err_kv(runner.kv, oracle.kv, got.batch) < tol, reqs
         for r in (runner, oracle):
             for q in reqs:
                 r.free(q.req_id)
-    # the compositions cover graphed steps that trim into replay graphs, graphed steps
-    # that do not trim, and eager steps that trim
-    assert {("piecewise", True, True), ("piecewise", False, True), ("eager", True, True)} <= kinds, kinds
+    # the compositions cover graphed steps that trim into replay graphs (gathers and
+    # scatter in graphs too), graphed steps that do not trim, and eager steps that trim
+    assert {("piecewise", True, True, True), ("piecewise", False, True, False),
+            ("eager", True, True, False)} <= kinds, kinds
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
@@ -96,7 +97,7 @@ def test_graph_replay_equals_eager_pieces_exactly(model32):
     plain = StepRunner(model32, max_model_len=512, forward=graphs.forward, backend=be)
     og = graphs.step(reqs)
     assert og.step.kind == "piecewise" and og.step.padded_tokens == 56
-    assert og.trim.trimmed and og.trim.graph and og.trim.padded == og.trim.rows == 32
+    assert og.trim.trimmed and og.trim.graph and og.trim.io_graphs and og.trim.padded == og.trim.rows == 32
     op = plain.run(plain.build_batch(reqs), use_graphs=False)
     assert op.step.kind == "eager" and not op.trim.graph
     assert torch.equal(og.logits, op.logits)
