@@ -51,10 +51,13 @@ class TrimIO:
         self.sidx = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.smask = torch.zeros(max_tokens, dtype=torch.bool, device=device)
         pinned = device.type == "cuda"
-        self.host = torch.zeros(max_rows + max_tokens, dtype=torch.int64, pin_memory=pinned)
-        # The copy from the staging buffer is asynchronous: the next step waits for it
-        # before writing the buffer again (by then it has long finished).
-        self.copied = torch.cuda.Event() if pinned else None
+        # Two staging buffers in turn: the copy from one is asynchronous, and a step
+        # waits for the copy made two steps ago before writing that buffer again, so
+        # the host is never held back behind the step the GPU is running.
+        self.hosts = [torch.zeros(max_rows + max_tokens, dtype=torch.int64, pin_memory=pinned)
+                      for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)] if pinned else None
+        self.turn = 0
         self.main_io: dict[int, tuple[list, list]] = {}  # S -> (rows, outs) while main graphs capture
         self.graphs: dict[tuple[int, int], tuple[StaticGraph, StaticGraph]] = {}
 
@@ -91,18 +94,20 @@ class TrimIO:
 
     def stage(self, rows: tuple[int, ...], rows_size: int, size: int) -> None:
         """Write one step's index data to the device: one copy."""
+        self.turn ^= 1
+        host = self.hosts[self.turn]
         if self.copied is not None:
-            self.copied.synchronize()
+            self.copied[self.turn].synchronize()
         n = len(rows)
         idx = torch.tensor(rows, dtype=torch.int64)
-        self.host[:rows_size].zero_()
-        self.host[:n] = idx
-        row_map = self.host[self.rmax:self.rmax + size]
+        host[:rows_size].zero_()
+        host[:n] = idx
+        row_map = host[self.rmax:self.rmax + size]
         row_map.zero_()
         row_map[idx] = torch.arange(1, n + 1, dtype=torch.int64)
-        self.index[:self.rmax + size].copy_(self.host[:self.rmax + size], non_blocking=True)
+        self.index[:self.rmax + size].copy_(host[:self.rmax + size], non_blocking=True)
         if self.copied is not None:
-            self.copied.record()
+            self.copied[self.turn].record()
 
     def run(self, size: int, rows_size: int, rows, bufs, region, outs) -> None:
         """Gather (graph), ``region()`` runs the region and returns its outputs, scatter
