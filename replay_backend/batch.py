@@ -148,17 +148,10 @@ def validate_requests(requests, layout: CacheLayout, window: int,
                          f"{max_num_batched_tokens}")
 
 
-def _positions_of(requests, counts) -> list[int]:
-    pos: list[int] = []
-    for r, n in zip(requests, counts):
-        pos.extend(range(r.seq_len - n, r.seq_len))
-    return pos
-
-
-def build_step_batch(requests, token_ids: list[list[int]], blocks: list[int], layout: CacheLayout,
+def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout,
                      window: int, device, max_num_batched_tokens: int | None = None) -> StepBatch:
-    """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens and
-    ``blocks[i]`` its cache block."""
+    """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens (a
+    list of ints or a 1-D tensor) and ``blocks[i]`` its cache block."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -169,26 +162,32 @@ def build_step_batch(requests, token_ids: list[list[int]], blocks: list[int], la
 
     qlens = [r.query_len for r in requests]
     base = tuple(layout.base(b) for b in blocks)
-    pos = _positions_of(requests, qlens)
     qsl = [0]
     for q in qlens:
         qsl.append(qsl[-1] + q)
-    slots = [b + p for b, r, q in zip(base, requests, qlens) for p in range(r.seq_len - q, r.seq_len)]
+    # Tensor ops on the host rather than per-token Python: a 16K-token step's metadata
+    # is on the critical path before its first kernel.
+    pos = torch.cat([torch.arange(r.seq_len - q, r.seq_len, dtype=torch.int64)
+                     for r, q in zip(requests, qlens)])
+    slots = pos + torch.tensor(base, dtype=torch.int64).repeat_interleave(torch.tensor(qlens))
     # A ratio-2 global entry m pools positions 2m and 2m+1; it is written when its odd
     # position arrives (the even one is already in the raw cache), so even positions
     # write the pad slot.
-    comp_pad = layout.num_slots // 2
-    comp = [(s // 2 if p % 2 else comp_pad) for s, p in zip(slots, pos)]
+    comp = torch.where(pos % 2 == 1, slots // 2, layout.num_slots // 2)
     floors = tuple(replay_floor(r, window) for r in requests)
     seq_lens = tuple(r.seq_len for r in requests)
-
-    def t(xs):
-        return torch.tensor(xs, dtype=torch.int64, device=device)
-
-    view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, t(slots), t(comp))
     rows, kqsl = replay_rows(requests, window)
-    replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base,
-                           t([slots[i] for i in rows]), None)
-    replay = ReplayBatch(tuple(rows), t(rows), t([pos[i] for i in rows]), replay_view)
-    ids = [tok for toks in token_ids for tok in toks]
-    return StepBatch(requests, window, t(ids), t(pos), t([e - 1 for e in qsl[1:]]), view, replay)
+    rows_cpu = torch.tensor(rows, dtype=torch.int64)
+    ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
+    last = torch.tensor(qsl[1:], dtype=torch.int64) - 1
+    # One copy to the device for the metadata, every field a view of it. The model's
+    # inputs get storage of their own: views of one buffer would make Dynamo trace
+    # their storage offsets as symbols.
+    parts = [slots, comp, last, rows_cpu, slots[rows_cpu], pos[rows_cpu]]
+    flat = torch.cat(parts).to(device)
+    slots, comp, last, rows_t, rslots, rpos = flat.split([len(x) for x in parts])
+    ids, pos = ids.to(device), pos.to(device)
+    view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
+    replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
+    replay = ReplayBatch(tuple(rows), rows_t, rpos, replay_view)
+    return StepBatch(requests, window, ids, pos, last, view, replay)

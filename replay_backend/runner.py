@@ -30,10 +30,12 @@ class StepOutput:
     trim: Any  # what the trim op did (a TrimRecord), None when it did not run
 
 
-def token_ids_for(req_id, start: int, end: int, vocab: int) -> list[int]:
-    """Deterministic prompt tokens, so two runners see the same request."""
+def token_ids_for(req_id, start: int, end: int, vocab: int) -> torch.Tensor:
+    """Deterministic prompt tokens (int64, on the host), so two runners see the same
+    request: ``(seed * 2654435761 + p * 40503 + p * p % 977) % vocab`` at position p."""
     seed = zlib.crc32(str(req_id).encode())
-    return [(seed * 2654435761 + p * 40503 + (p * p) % 977) % vocab for p in range(start, end)]
+    p = torch.arange(start, end, dtype=torch.int64)
+    return ((seed * 2654435761) % vocab + (p * 40503) % vocab + (p * p) % 977) % vocab
 
 
 def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
