@@ -511,6 +511,17 @@ def test_without_replay_graphs(model):
     check_dispatch(out, "eager", 70, False, None, None)
 
 
+def test_trim_io_graphs_switched_off(model):
+    """trim_io_graphs=false: graphed steps trim through eager gathers and scatter, with
+    the same results and the same dispatch otherwise."""
+    env = build_env(model, trim_io_graphs=False)
+    assert env.be.model.replay.io is None and env.summary["replay"]["trim_io_graphs"] == 0
+    for make, rows, rpad in [(lambda: [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], 27, 32),
+                             (lambda: [R("p", 40, 40), R("q", 16, 16)], 32, 32)]:
+        out = compare(env, make(), expect=dict(trims=1, replay_dispatch={rpad: 1}))
+        assert (out.trim.rows, out.trim.padded, out.trim.graph, out.trim.io_graphs) == (rows, rpad, True, False)
+
+
 def test_cudagraph_mode_none(model):
     """cudagraph_mode="none": every step is eager, no graph is captured, and steps
     trim exactly when a prefill is longer than W."""

@@ -71,7 +71,7 @@ class ReplayRuntime:
         # Main sizes whose steps trim (PIECEWISE, at or above the threshold): their gathers
         # and scatter become graphs too (trim_io.py).
         self.trim_main_sizes = sorted(s for s in main_sizes or [] if s >= cfg.decoder_replay_trim_threshold) \
-            if cfg.cudagraph_decoder_replay and replay_sizes else []
+            if cfg.cudagraph_decoder_replay and cfg.trim_io_graphs and replay_sizes else []
         self.io: TrimIO | None = None
         self.buffers: list[torch.Tensor] | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
