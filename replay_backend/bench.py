@@ -224,10 +224,15 @@ def _measure(run: ModeRun, runner: StepRunner, isl: int, conc: int, args, device
         floors.setdefault(run.setting, {})[point] = _kernel_floor_ms(runner, isl, conc)
 
 
-def run_bench(args) -> dict:
+def _model(args):
+    """The benchmark model: bf16 on CUDA, float32 on the CPU; returns it and its device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build_model(_model_config(args), device, dtype)
+    return build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32), device
+
+
+def run_bench(args) -> dict:
+    model, device = _model(args)
+    dtype = next(model.parameters()).dtype
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
@@ -279,8 +284,7 @@ def run_bench(args) -> dict:
 def compile_only(args) -> dict:
     """Trace and build the default ``replay`` mode once: run it twice in fresh processes
     for cold and warm (Inductor's on-disk caches filled) compile times."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32)
+    model, _ = _model(args)
     be = ReplayBackend(_backend_config("replay", "default", args))
     shared = SharedTrace({"replay": be})
     shared.current = "replay"

@@ -58,6 +58,7 @@ class TrimIO:
                       for _ in range(2)]
         self.copied = [torch.cuda.Event() for _ in range(2)] if pinned else None
         self.turn = 0
+        self.ranks = torch.arange(1, max_rows + 1, dtype=torch.int64)  # replay row + 1, as row_map holds it
         self.main_io: dict[int, tuple[list, list]] = {}  # S -> (rows, outs) while main graphs capture
         self.graphs: dict[tuple[int, int], tuple[StaticGraph, StaticGraph]] = {}
 
@@ -92,19 +93,19 @@ class TrimIO:
             n += 2
         return n
 
-    def stage(self, rows: tuple[int, ...], rows_size: int, size: int) -> None:
-        """Write one step's index data to the device: one copy."""
+    def stage(self, rows: torch.Tensor, rows_size: int, size: int) -> None:
+        """Write one step's index data (``rows``: the replay rows, an int64 host tensor)
+        to the device: one copy."""
         self.turn ^= 1
         host = self.hosts[self.turn]
         if self.copied is not None:
             self.copied[self.turn].synchronize()
-        n = len(rows)
-        idx = torch.tensor(rows, dtype=torch.int64)
+        n = rows.shape[0]
         host[:rows_size].zero_()
-        host[:n] = idx
+        host[:n] = rows
         row_map = host[self.rmax:self.rmax + size]
         row_map.zero_()
-        row_map[idx] = torch.arange(1, n + 1, dtype=torch.int64)
+        row_map[rows] = self.ranks[:n]
         self.index[:self.rmax + size].copy_(host[:self.rmax + size], non_blocking=True)
         if self.copied is not None:
             self.copied[self.turn].record()
