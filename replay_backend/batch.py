@@ -1,7 +1,8 @@
 """Per-step batch metadata and the replay batch (SPEC §3-§4).
 
 Everything here is built on the host from plain integers, so attention and the trim op
-never need a device-to-host sync to learn a request's layout.
+never need a device-to-host sync to learn a request's layout, and it reaches the device
+by asynchronous copies, so building a step never waits for the step before it.
 """
 from __future__ import annotations
 
@@ -91,6 +92,18 @@ class StepBatch:
     def has_trimmable_rows(self) -> bool:
         """True when some request keeps fewer rows than it has (a prefill longer than W)."""
         return self.replay.num_rows < self.num_tokens
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device`` without holding the host back. A copy from
+    pageable memory synchronises the stream first, so it would wait for every kernel
+    queued before it (the previous step, or the layers before a replay region): go
+    through pinned memory, whose block the caching host allocator keeps until the copy
+    has run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def kept_len(req: RequestChunk, window: int) -> int:
@@ -185,9 +198,9 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     # inputs get storage of their own: views of one buffer would make Dynamo trace
     # their storage offsets as symbols.
     parts = [slots, comp, last, rows_cpu, slots[rows_cpu], pos[rows_cpu]]
-    flat = torch.cat(parts).to(device)
+    flat = to_device(torch.cat(parts), device)
     slots, comp, last, rows_t, rslots, rpos = flat.split([len(x) for x in parts])
-    ids, pos = ids.to(device), pos.to(device)
+    ids, pos = to_device(ids, device), to_device(pos, device)
     view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
     replay = ReplayBatch(tuple(rows), rows_t, rpos, replay_view, rows_cpu)

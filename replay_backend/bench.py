@@ -42,7 +42,11 @@ class ModeRun:
     capture: dict = field(default_factory=dict)
     memory_estimate_gib: float | None = None
     ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
-    trim_host_us: dict = field(default_factory=dict)  # "isl/conc" -> median per trimming step
+    # "isl/conc" -> median host time of the trim op per trimming step (without the region
+    # it runs): with the device idle at the op's entry (its own host work), and in the
+    # timed runs (also any wait behind a full launch queue).
+    trim_host_us: dict = field(default_factory=dict)
+    trim_host_us_inflight: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
     error: str | None = None
 
@@ -216,6 +220,14 @@ def _measure(run: ModeRun, runner: StepRunner, isl: int, conc: int, args, device
     times = [_ttft(runner, isl, conc, f"m{k}") for k in range(args.runs)]
     run.ms[point] = statistics.median(times)
     if rep is not None and rep.host_us:
+        run.trim_host_us_inflight[point] = statistics.median(rep.host_us)
+        rep.host_us.clear()
+        rep.sync_at_entry = True
+        try:
+            for k in range(min(args.runs, 5)):
+                _ttft(runner, isl, conc, f"h{k}")
+        finally:
+            rep.sync_at_entry = False
         trim_host_us.extend(rep.host_us)
         run.trim_host_us[point] = statistics.median(rep.host_us)
     if args.profile_out and point in args.profile_points:

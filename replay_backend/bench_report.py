@@ -50,9 +50,13 @@ def render(report: dict) -> str:
                      + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
     if report.get("trim_host_us_median") is not None:
-        lines.append(f"\ntrim op host time per trimming step: median {report['trim_host_us_median']:.0f} us")
+        lines.append(f"\ntrim op host time per trimming step, device idle at its entry: median "
+                     f"{report['trim_host_us_median']:.0f} us (in the timed runs, which adds any wait "
+                     "behind a full launch queue, in brackets)")
         for r in report["results"]:
             if r.get("trim_host_us"):
+                inflight = r.get("trim_host_us_inflight") or {}
                 lines.append(f"- {r['setting']}/{r['mode']}: " + ", ".join(
-                    f"{k}: {v:.0f} us" for k, v in r["trim_host_us"].items()))
+                    f"{k}: {v:.0f} us" + (f" ({inflight[k]:.0f})" if k in inflight else "")
+                    for k, v in r["trim_host_us"].items()))
     return "\n".join(lines)

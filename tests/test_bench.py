@@ -62,9 +62,11 @@ def test_render_has_the_table_shape_and_ratios():
                    "error": None},
                   {"mode": "replay", "setting": "default", "compile_s": 2.0,
                    "capture": {"main": {"graphs": 3, "sizes": 1, "seconds": 0.5, "gib": 0.25}},
-                   "ms": {"1024/1": 25.0}, "trim_host_us": {"1024/1": 80.0}, "error": None}]}
+                   "ms": {"1024/1": 25.0}, "trim_host_us": {"1024/1": 80.0},
+                   "trim_host_us_inflight": {"1024/1": 95.0}, "error": None}]}
     text = bench.render(report)
     assert "| ISL/conc | off ms | replay ms | floor ms | replay speed-up vs off | replay / floor |" in text
     assert "| 1024/1 | 100.0 | 25.0 | 20.0 | 4.00x | 1.25 |" in text
     assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB" in text
-    assert "trim op host time per trimming step: median 80 us" in text
+    assert "trim op host time per trimming step, device idle at its entry: median 80 us" in text
+    assert "- default/replay: 1024/1: 80 us (95)" in text

@@ -178,3 +178,36 @@ def test_fused_sinkhorn_matches_reference():
     reqs = COMPOSITIONS[0]
     a.prefill_context(reqs), b.prefill_context(reqs)
     assert max_abs_err(a.step(reqs).logits, b.step(reqs).logits) < 1e-3
+
+
+def test_mm_fp32_is_the_upcast_product():
+    """16-bit operands into an fp32 result: the same numbers as upcasting first (exact
+    products, fp32 sums), only the summation order may differ."""
+    from replay_backend.models.layers import mm_fp32
+
+    x = torch.randn(3000, 8192, device="cuda").to(torch.bfloat16)
+    w = torch.randn(24, 8192, device="cuda").to(torch.bfloat16)
+    got = mm_fp32(x, w)
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    compiled = torch.compile(mm_fp32, fullgraph=True)(x, w)
+    assert max_abs_err(compiled, got) < 1e-3
+
+
+def test_step_metadata_copies_do_not_wait_for_the_device():
+    """Building a step while the previous one runs must not block on it: every host to
+    device copy of metadata is asynchronous (pinned)."""
+    from replay_backend.batch import to_device
+
+    runner = StepRunner(build_model(CFG, "cuda", torch.bfloat16), max_model_len=512)
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(20):  # about 0.1 s of queued GPU work
+        a = a @ a / 8192 ** 0.5
+    pending = torch.cuda.Event()
+    pending.record()
+    runner.build_batch(COMPOSITIONS[0])
+    to_device(torch.arange(100), "cuda")
+    assert not pending.query(), "a metadata copy waited for the queued work"
+    torch.cuda.synchronize()

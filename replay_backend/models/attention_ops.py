@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import torch_compat
+from ..batch import to_device
 from ..forward_context import get_forward_context
 from . import attention_triton
 
@@ -125,8 +126,8 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
         if blocks is None:
             rows = attention_triton.row_blocks(view.query_start_loc, view.seq_lens, view.kv_start,
                                                view.cache_base, cfg.window)
-            blocks = view.derived["attn_blocks"] = torch.tensor(
-                rows, dtype=torch.int32).reshape(-1, attention_triton.NUM_FIELDS).to(q.device)
+            blocks = view.derived["attn_blocks"] = to_device(torch.tensor(
+                rows, dtype=torch.int32).reshape(-1, attention_triton.NUM_FIELDS), q.device)
         attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale)
         if out.shape[0] > n:
             out[n:] = 0

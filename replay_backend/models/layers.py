@@ -65,6 +65,16 @@ def _(logits, iters):
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
+def mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in fp32. For bf16/fp16 CUDA operands that is a tensor-core GEMM with
+    an fp32 result: the products of 16-bit values are exact in fp32 and the sums are
+    fp32, the same arithmetic as upcasting first, without the fp32 copies and fp32
+    (non-tensor-core) GEMM. Elsewhere the operands are upcast."""
+    if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    return x.float() @ w.float().t()
+
+
 class HyperConnection(nn.Module):
     """mHC mixing for one sublayer: from the flattened stream, ``pre``, ``post``, ``comb``.
 
@@ -82,9 +92,12 @@ class HyperConnection(nn.Module):
 
     def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, hc = stream.shape[0], self.hc
-        flat = stream.reshape(t, -1).float()
-        flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
-        mix = flat @ self.weight.float().t() + self.bias.float()
+        flat = stream.reshape(t, -1)
+        # The RMS scale is per row, so it applies after the projection: the GEMM then
+        # reads the stream as it is instead of a normalised fp32 copy ([T, hc*H], the
+        # largest tensor of the layer, written and read once per sublayer).
+        scale = torch.rsqrt(flat.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        mix = mm_fp32(flat, self.weight) * scale + self.bias.float()
         pre = torch.sigmoid(mix[:, :hc]) + self.hc_eps
         post = 2.0 * torch.sigmoid(mix[:, hc:2 * hc])
         logits = mix[:, 2 * hc:].view(t, hc, hc)
@@ -145,7 +158,7 @@ class MoE(nn.Module):
         return ok
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = torch.softmax(x.float() @ self.router.float().t(), dim=-1)
+        scores = torch.softmax(mm_fp32(x, self.router), dim=-1)
         top_w, top_i = torch.topk(scores, self.top_k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         if self._use_grouped(x):

@@ -8,12 +8,14 @@ the gathers into the region and the scatter back are graphs per (S, R), and what
 left on the host per step is to write the replay rows into a staging buffer, one copy
 to the device, and two replays (instead of a launch per row tensor and per output).
 
-The per-step index data lives in one device buffer: ``[0, R)`` the rows to gather
-(padded with row 0, whose copies only fill padded replay rows), ``[R_max, R_max + S)``
-for each main row its replay row plus one, or 0 for a trimmed row. The gather graph
-also derives the scatter's index and mask from it, so the scatter reads only device
-memory. Neither graph allocates: every op writes into a buffer that exists already,
-so these graphs take nothing from the shared pool that a replay graph could reuse.
+The per-step index data is one small device buffer: ``[0, R)`` the rows to gather
+(padded with row 0, whose copies only fill padded replay rows) and, at ``R_max``, the
+number of real replay rows n. The gather graph derives the scatter's index and mask
+from it on the device (for each main row its replay row plus one, or 0 for a trimmed
+row: a scatter-add of ``1..n`` at the gathered rows, pads adding 0), so the host copies
+``R_max + 1`` integers per step whatever the main size. Neither graph allocates: every
+op writes into a buffer that exists already, so these graphs take nothing from the
+shared pool that a replay graph could reuse.
 """
 from __future__ import annotations
 
@@ -25,9 +27,13 @@ from .graphs import GraphResources, StaticGraph
 def _gather(k: int):
     def run(*args):
         rows, bufs = args[:k], args[k:2 * k]
-        gidx, row_map, sidx, smask = args[2 * k:]
+        gidx, count, ranks, vals, valid, row_map, sidx, smask = args[2 * k:]
         for b, x in zip(bufs, rows):
             torch.index_select(x, 0, gidx, out=b)
+        torch.le(ranks, count, out=valid)  # real replay rows, not padding
+        torch.mul(ranks, valid, out=vals)
+        row_map.zero_()
+        row_map.scatter_add_(0, gidx, vals)  # integer adds: the same result in any order
         torch.sub(row_map, 1, out=sidx)
         sidx.clamp_(min=0)
         torch.gt(row_map, 0, out=smask)
@@ -47,32 +53,39 @@ def _scatter(k: int):
 class TrimIO:
     def __init__(self, max_rows: int, max_tokens: int, device: torch.device, res: GraphResources) -> None:
         self.rmax, self.smax, self.res = max_rows, max_tokens, res
-        self.index = torch.zeros(max_rows + max_tokens, dtype=torch.int64, device=device)
+        self.index = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        self.ranks = torch.arange(1, max_rows + 1, dtype=torch.int64, device=device)  # replay row + 1
+        self.vals = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.valid = torch.zeros(max_rows, dtype=torch.bool, device=device)
+        self.row_map = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.sidx = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.smask = torch.zeros(max_tokens, dtype=torch.bool, device=device)
         pinned = device.type == "cuda"
         # Two staging buffers in turn: the copy from one is asynchronous, and a step
         # waits for the copy made two steps ago before writing that buffer again, so
         # the host is never held back behind the step the GPU is running.
-        self.hosts = [torch.zeros(max_rows + max_tokens, dtype=torch.int64, pin_memory=pinned)
-                      for _ in range(2)]
+        self.hosts = [torch.zeros(max_rows + 1, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self.copied = [torch.cuda.Event() for _ in range(2)] if pinned else None
         self.turn = 0
-        self.ranks = torch.arange(1, max_rows + 1, dtype=torch.int64)  # replay row + 1, as row_map holds it
         self.main_io: dict[int, tuple[list, list]] = {}  # S -> (rows, outs) while main graphs capture
         self.graphs: dict[tuple[int, int], tuple[StaticGraph, StaticGraph]] = {}
+        self._tail_cache: dict[tuple[int, int], tuple[tuple, tuple]] = {}
 
     def remember(self, size: int, rows: list, outs: list) -> None:
         """The trim op's tensors in the main capture step at ``size`` (owned, fixed)."""
         if size <= self.smax:
             self.main_io[size] = (list(rows), list(outs))
 
-    def _gather_args(self, size: int, rows_size: int, rows, bufs) -> tuple:
-        return (*rows, *bufs, self.index[:rows_size], self.index[self.rmax:self.rmax + size],
-                self.sidx[:size], self.smask[:size])
-
-    def _scatter_args(self, size: int, res, outs) -> tuple:
-        return (*res, *outs, self.sidx[:size], self.smask[:size])
+    def _tails(self, size: int, rows_size: int) -> tuple[tuple, tuple]:
+        """The index arguments of the (``size``, ``rows_size``) graphs after the row
+        tensors, kept per pair: slicing them per step would be host time."""
+        tails = self._tail_cache.get((size, rows_size))
+        if tails is None:
+            tails = self._tail_cache[(size, rows_size)] = (
+                (self.index[:rows_size], self.index[self.rmax:], self.ranks[:rows_size], self.vals[:rows_size],
+                 self.valid[:rows_size], self.row_map[:size], self.sidx[:size], self.smask[:size]),
+                (self.sidx[:size], self.smask[:size]))
+        return tails
 
     def capture(self, rows_size: int, bufs: list, res: list, sizes: list[int]) -> int:
         """Capture the (S, ``rows_size``) pairs for every remembered main size in
@@ -83,9 +96,10 @@ class TrimIO:
             if size not in self.main_io or (size, rows_size) in self.graphs:
                 continue
             rows, outs = self.main_io[size]
+            gtail, stail = self._tails(size, rows_size)
             pair = []
-            for name, fn, args in (("gather", _gather(len(rows)), self._gather_args(size, rows_size, rows, bufs)),
-                                   ("scatter", _scatter(len(outs)), self._scatter_args(size, res, outs))):
+            for name, fn, args in (("gather", _gather(len(rows)), (*rows, *bufs, *gtail)),
+                                   ("scatter", _scatter(len(outs)), (*res, *outs, *stail))):
                 if self.res.use_cuda:
                     fn(*args)  # warm-up: first kernel loads happen outside the capture
                 pair.append(StaticGraph(f"trim-{name}[{size},{rows_size}]", fn, args, self.res))
@@ -93,7 +107,7 @@ class TrimIO:
             n += 2
         return n
 
-    def stage(self, rows: torch.Tensor, rows_size: int, size: int) -> None:
+    def stage(self, rows: torch.Tensor, rows_size: int) -> None:
         """Write one step's index data (``rows``: the replay rows, an int64 host tensor)
         to the device: one copy."""
         self.turn ^= 1
@@ -101,12 +115,11 @@ class TrimIO:
         if self.copied is not None:
             self.copied[self.turn].synchronize()
         n = rows.shape[0]
-        host[:rows_size].zero_()
         host[:n] = rows
-        row_map = host[self.rmax:self.rmax + size]
-        row_map.zero_()
-        row_map[rows] = self.ranks[:n]
-        self.index[:self.rmax + size].copy_(host[:self.rmax + size], non_blocking=True)
+        if n < rows_size:
+            host[n:rows_size].zero_()
+        host[self.rmax] = n
+        self.index.copy_(host, non_blocking=True)
         if self.copied is not None:
             self.copied[self.turn].record()
 
@@ -114,5 +127,6 @@ class TrimIO:
         """Gather (graph), ``region()`` runs the region and returns its outputs, scatter
         (graph). The step's index data must be staged."""
         gather, scatter = self.graphs[(size, rows_size)]
-        gather.replay(self._gather_args(size, rows_size, rows, bufs))
-        scatter.replay(self._scatter_args(size, region(), outs))
+        gtail, stail = self._tails(size, rows_size)
+        gather.replay((*rows, *bufs, *gtail))
+        scatter.replay((*region(), *outs, *stail))

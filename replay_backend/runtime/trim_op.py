@@ -79,6 +79,9 @@ class ReplayRuntime:
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
+        # Measurement only: wait for the device at entry, so that host_us is the op's own
+        # host work and not also time spent blocked behind a full launch queue.
+        self.sync_at_entry = False
         self._region_s = 0.0
 
     def _static_inputs(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -106,6 +109,8 @@ class ReplayRuntime:
             self._region_s += time.perf_counter() - t0
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        if self.sync_at_entry and rows[0].is_cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         self._region_s = 0.0
         ctx = get_forward_context()
@@ -138,7 +143,7 @@ class ReplayRuntime:
         with ctx.activate(view):
             if io_pair is not None and self.io is not None and io_pair in self.io.graphs:
                 bufs = self._sliced(rows, size)
-                self.io.stage(rep.rows_host, size, step.padded_tokens)
+                self.io.stage(rep.rows_host, size)
                 self.io.run(*io_pair, rows, bufs, lambda: self.run_region(bufs, consts, size), outs)
                 res = None
             elif size is None:

@@ -1,0 +1,103 @@
+"""Where the trim op's host time goes (GPU): per-phase host time of trimming steps of
+one prompt at a graphed main size, with the device idle at the op's entry.
+
+usage: python3 scripts/trim_probe.py [--preset tiny] [--isl 1024] [--steps 50]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+from replay_backend.backend import ReplayBackend
+from replay_backend.batch import RequestChunk
+from replay_backend.config import ReplayConfig
+from replay_backend.models import build_model, preset
+from replay_backend.runner import StepRunner
+from replay_backend.runtime import trim_io
+
+
+def _timed(cls, name: str, into: dict) -> None:
+    fn = getattr(cls, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            into.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
+    setattr(cls, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--isl", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()  # on the CPU the graphs are emulated: a smoke test only
+    model = build_model(preset(args.preset), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+    be = ReplayBackend(ReplayConfig.from_options({"compiler": "eager", "cudagraph_capture_sizes": [512, 1024]}))
+    runner = StepRunner(model, backend=be, max_num_seqs=2, max_model_len=args.isl + 256)
+    runner.capture()
+    rep = be.model.replay
+    for i in range(5):
+        runner.prefill({f"w{i}": args.isl})
+        runner.free(f"w{i}")
+    phases: dict = {}
+    _timed(trim_io.TrimIO, "stage", phases)
+    _timed(trim_io.TrimIO, "run", phases)  # includes the region
+    rep.sync_at_entry = True
+    rep.host_us.clear()
+    region_us = []
+    for i in range(args.steps):
+        runner.prefill({f"m{i}": args.isl})
+        runner.free(f"m{i}")
+        region_us.append(rep._region_s * 1e6)
+    last = runner.step([RequestChunk("last", args.isl, args.isl)])
+    runner.free("last")
+    print(f"trim op host us (no region), median of {len(rep.host_us)}: {statistics.median(rep.host_us):.1f}; "
+          f"step {last.step}, trim {last.trim}")
+    for k, v in phases.items():
+        print(f"  {k}: median {statistics.median(v):.1f} us over {len(v)}")
+    print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")
+    prof = cProfile.Profile()
+    call = type(rep).__call__
+
+    def profiled(self, *a):
+        if cuda:
+            torch.cuda.synchronize()
+        prof.enable()
+        try:
+            return call(self, *a)
+        finally:
+            prof.disable()
+    type(rep).__call__ = profiled
+    run_region = rep.run_region
+
+    def region_unprofiled(*a):  # the op's own host work only
+        prof.disable()
+        try:
+            return run_region(*a)
+        finally:
+            prof.enable()
+    rep.run_region = region_unprofiled
+    rep.sync_at_entry = False
+    for i in range(args.steps):
+        runner.prefill({f"p{i}": args.isl})
+        runner.free(f"p{i}")
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    calls = args.steps
+    print(f"\ncProfile of the op without its region, us per trimming step (of {calls}):")
+    print(f"{'self us':>9} {'cum us':>9} {'calls':>6}  function")
+    for (f, line, name), (_, nc, tt, ct, _) in sorted(st.items(), key=lambda kv: -kv[1][2])[:30]:
+        where = name if f == "~" else f"{f.rsplit('/', 2)[-1]}:{line}({name})"
+        print(f"{tt / calls * 1e6:9.1f} {ct / calls * 1e6:9.1f} {nc / calls:6.1f}  {where}")
+
+
+if __name__ == "__main__":
+    main()
