@@ -3,7 +3,10 @@
 All modes run in one process on the same model. A measurement is the TTFT of
 ``concurrency`` prompts of ``isl`` tokens with ``max_tokens=1``: every chunked-prefill
 step (``max_num_batched_tokens`` per step) from the first to the last, synchronised;
-the median of ``runs`` measurements after ``warmup`` ones.
+the median of ``runs`` measurements after ``warmup`` ones. This backend's modes are
+all built and captured first, then timed in turns (run k of every mode before run
+k + 1 of any), so a slow phase of the host or the GPU hits every mode alike; the
+stock ``reduce-overhead`` peer runs after them on its own.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import torch
 from . import torch_compat
 from .backend import ReplayBackend
 from .bench_report import MODES, render  # noqa: F401  (bench.render: the CLI's and tests')
+from .bench_timing import TimedMode, sync, time_points
+from .cli_options import parse_options
 from .compare import max_abs_err
 from .config import ReplayConfig
 from .models import build_model, preset
@@ -49,11 +54,6 @@ class ModeRun:
     trim_host_us_inflight: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
     error: str | None = None
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class _Dynamic:
@@ -89,20 +89,25 @@ class SharedTrace:
 
 
 def _model_config(args):
-    overrides = {}
-    for item in getattr(args, "model_option", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--model-option wants KEY=VALUE, got {item!r}")
-        overrides[key] = int(value) if value.isdigit() else value
+    overrides = {k: tuple(v) if isinstance(v, list) else v
+                 for k, v in parse_options(getattr(args, "model_option", None), "--model-option").items()}
     try:
         return preset(args.preset, **overrides)
     except TypeError as e:
         raise ValueError(f"--model-option: {e}") from None
 
 
+# What each mode and the wide setting decide; --option may not set these.
+_MODE_KEYS = {k for opts in MODE_OPTIONS.values() for k in opts} | {
+    "max_num_batched_tokens", "max_cudagraph_capture_size", "cudagraph_capture_sizes"}
+
+
 def _backend_config(mode: str, setting: str, args) -> ReplayConfig:
-    opts = dict(MODE_OPTIONS[mode], max_num_batched_tokens=args.max_num_batched_tokens)
+    opts = parse_options(getattr(args, "option", None))
+    clash = sorted(set(opts) & _MODE_KEYS)
+    if clash:
+        raise ValueError(f"--option {clash[0]}: set by the bench's modes and capture settings, not an option")
+    opts.update(MODE_OPTIONS[mode], max_num_batched_tokens=args.max_num_batched_tokens)
     if setting == "wide" and opts.get("cudagraph_mode") != "none":
         opts.update(max_cudagraph_capture_size=args.max_num_batched_tokens,
                     cudagraph_capture_sizes=[s for s in WIDE_SIZES if s <= args.max_num_batched_tokens])
@@ -120,52 +125,6 @@ def _plan(args) -> list[tuple[str, str]]:
             order.append((mode, setting))
     # The stock peer last: it resets Dynamo, which drops the shared trace.
     return sorted(order, key=lambda ms: ms[0] == "reduce-overhead")
-
-
-def _ttft(runner: StepRunner, isl: int, conc: int, tag: str) -> float:
-    prompts = {f"{tag}-{i}": isl for i in range(conc)}
-    _sync()
-    t0 = time.perf_counter()
-    runner.prefill(prompts)
-    _sync()
-    ms = (time.perf_counter() - t0) * 1e3
-    for rid in prompts:
-        runner.free(rid)
-    return ms
-
-
-def _kernels(events) -> list:
-    """Device-side events only: a CPU op's "self CUDA" time is its kernels' time again."""
-    return [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
-
-
-def _kernel_floor_ms(runner: StepRunner, isl: int, conc: int) -> float:
-    """Sum of GPU kernel times of one TTFT (the profile's device self time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _ttft(runner, isl, conc, "floor")
-    return sum(e.self_device_time_total for e in _kernels(prof.key_averages())) / 1e3
-
-
-def _profile(runner: StepRunner, isl: int, conc: int, path: str, title: str) -> None:
-    """Where one TTFT's time goes: host wall time, GPU kernel time, top ops and kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        wall = _ttft(runner, isl, conc, "prof")
-    events = prof.key_averages()
-    kernels = _kernels(events)
-    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
-    launches = sum(e.count for e in kernels)
-    with open(path, "a") as f:  # one file: every profile of the run, each under its title
-        f.write(f"\n\n######## {title}\n")
-        f.write(f"wall {wall:.2f} ms (profiled), GPU kernel time {gpu_ms:.2f} ms, {launches} kernels\n\n")
-        f.write(events.table(sort_by="self_device_time_total" if kernels else "self_cpu_time_total",
-                             row_limit=40, max_name_column_width=70))
-        f.write("\n\nby host time\n")
-        f.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
 
 
 def _release() -> None:
@@ -186,7 +145,7 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
         runner = StepRunner(model, forward=_Dynamic(peer), **kw)
         t0 = time.perf_counter()
         runner.run(runner.dummy_batch(model.cfg.window))
-        _sync()
+        sync()
         run.compile_s = time.perf_counter() - t0
         return runner, None
     be = shared.backends[key]
@@ -195,7 +154,7 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
     first = not shared.build_s
     t0 = time.perf_counter()
     runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)  # the first call traces
-    _sync()
+    sync()
     traced = time.perf_counter() - t0 - sum(shared.build_s.values()) if first else None
     run.compile_s = shared.build_s[key]
     if be.config.graphs_enabled:
@@ -206,34 +165,6 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
             print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
                   f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
     return runner, traced
-
-
-def _measure(run: ModeRun, runner: StepRunner, isl: int, conc: int, args, device: str,
-             floors: dict, trim_host_us: list) -> None:
-    """Median TTFT of one point, and for ``replay`` its trim host time and kernel floor."""
-    point = f"{isl}/{conc}"
-    for w in range(args.warmup):
-        _ttft(runner, isl, conc, f"w{w}")
-    rep = runner.backend.model.replay if run.mode == "replay" else None
-    if rep is not None:
-        rep.host_us.clear()  # the trimming steps of the timed runs only
-    times = [_ttft(runner, isl, conc, f"m{k}") for k in range(args.runs)]
-    run.ms[point] = statistics.median(times)
-    if rep is not None and rep.host_us:
-        run.trim_host_us_inflight[point] = statistics.median(rep.host_us)
-        rep.host_us.clear()
-        rep.sync_at_entry = True
-        try:
-            for k in range(min(args.runs, 5)):
-                _ttft(runner, isl, conc, f"h{k}")
-        finally:
-            rep.sync_at_entry = False
-        trim_host_us.extend(rep.host_us)
-        run.trim_host_us[point] = statistics.median(rep.host_us)
-    if args.profile_out and point in args.profile_points:
-        _profile(runner, isl, conc, args.profile_out, f"{run.mode}/{run.setting} {point}")
-    if run.mode == "replay" and device == "cuda":
-        floors.setdefault(run.setting, {})[point] = _kernel_floor_ms(runner, isl, conc)
 
 
 def _model(args):
@@ -261,30 +192,38 @@ def run_bench(args) -> dict:
     trim_host_us: list[float] = []
     trace_s = None
     deadline = time.perf_counter() + args.max_seconds
-    for mode, setting in plan:
+
+    def prepare(mode: str, setting: str) -> TimedMode | None:
+        nonlocal trace_s
         run = ModeRun(mode, setting)
         results.append(run)
-        key = f"{mode}/{setting}"
-        runner = None
         try:
             runner, traced = _prepare(run, model, kw, shared, shared_fwd, device)
-            if traced is not None and trace_s is None:
-                trace_s = traced
+            trace_s = trace_s if traced is None else traced
             # Same answer as the plain model on one prompt: a fast wrong mode is no result.
             got = runner.prefill({"check": shapes[0][0]})["check"]
             runner.free("check")
             run.max_abs_err_vs_eager = max_abs_err(got, reference)
-            for isl, conc in shapes:
-                if time.perf_counter() > deadline:
-                    run.error = "time budget spent"
-                    break
-                _measure(run, runner, isl, conc, args, device, floors, trim_host_us)
         except Exception as e:  # report the failure of one mode, keep the others
             run.error = f"{type(e).__name__}: {e}"[:500]
+            return None
+        return TimedMode(run, runner, shared if mode in MODE_OPTIONS else None)
+
+    # This backend's modes (and eager) built and captured first, then timed in turns.
+    ours = [m for m in (prepare(*ms) for ms in plan if ms[0] != "reduce-overhead") if m is not None]
+    time_points(ours, shapes, deadline, args, device, floors, trim_host_us)
+    ours.clear()
+    shared.backends.clear()  # their graphs and buffers go before the peer compiles
+    _release()
+    for ms in plan:
+        if ms[0] == "reduce-overhead":  # it resets Dynamo, so it comes last and alone
+            peer = prepare(*ms)
+            if peer is not None:
+                time_points([peer], shapes, deadline, args, device, floors, trim_host_us)
+            peer = None
+            _release()
+    for run in results:
         print(json.dumps(asdict(run)), flush=True)
-        runner = None
-        shared.backends.pop(key, None)  # this mode's graphs and buffers go
-        _release()
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
             "model_options": list(args.model_option or []),
@@ -305,7 +244,7 @@ def compile_only(args) -> dict:
                         max_num_batched_tokens=args.max_num_batched_tokens)
     t0 = time.perf_counter()
     runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)
-    _sync()
+    sync()
     total = time.perf_counter() - t0
     return {"preset": args.preset, "compile_s": total, "build_s": shared.build_s["replay"],
             "trace_s": total - shared.build_s["replay"]}

@@ -11,6 +11,7 @@ import torch
 from . import bench
 from .backend import ReplayBackend
 from .batch_spec import parse_batch_spec
+from .cli_options import parse_options
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
 from .config import ReplayConfig
 from .models import PRESETS, build_model, preset
@@ -46,7 +47,7 @@ def cmd_demo(args) -> int:
           f"{cfg.replay_layers.start}..{cfg.replay_layers.stop - 1}; {device}, {dtype}")
     model = build_model(cfg, device, dtype)
     reqs = parse_batch_spec(args.batch)
-    opts = _parse_options(args.option)
+    opts = parse_options(args.option)
     if device == "cpu":
         # Keep the CPU demo quick: plain FX pieces (Inductor takes minutes on 40 layers)
         # and three main graph sizes, so the demo batch is a trimming PIECEWISE step.
@@ -88,28 +89,6 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
-def _parse_value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        low = text.lower()
-        if low in ("true", "false"):
-            return low == "true"
-        if "," in text:
-            return [_parse_value(t) for t in text.split(",") if t]
-        return text
-
-
-def _parse_options(items: list[str] | None) -> dict:
-    opts = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ValueError(f"--option {item!r}: expected KEY=VALUE")
-        key, val = item.split("=", 1)
-        opts[key.strip()] = _parse_value(val.strip())
-    return opts
-
-
 def _model_for(args):
     device, name, dtype = _device_defaults(args)
     return build_model(preset(name), device, dtype), device, name
@@ -117,7 +96,7 @@ def _model_for(args):
 
 def cmd_verify(args) -> int:
     reqs = parse_batch_spec(args.batch)
-    cfg = ReplayConfig.from_options(_parse_options(args.option))
+    cfg = ReplayConfig.from_options(parse_options(args.option))
     model, device, name = _model_for(args)
     res = verify_step(model, reqs, cfg, capture=args.capture_all, tolerance=args.tolerance)
     if args.json:
@@ -133,7 +112,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    opts = _parse_options(args.option)
+    opts = parse_options(args.option)
     opts.setdefault("compiler", "eager")  # the split plan does not depend on the piece compiler
     if args.dump:
         # Dump while compiling: the graph before the split only exists then.

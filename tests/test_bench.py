@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replay_backend import bench
+from replay_backend import bench, bench_timing
 from replay_backend.backend import ReplayBackend
 from replay_backend.compare import max_abs_err
 from replay_backend.counters import counters
@@ -70,3 +70,72 @@ def test_render_has_the_table_shape_and_ratios():
     assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB" in text
     assert "trim op host time per trimming step, device idle at its entry: median 80 us" in text
     assert "- default/replay: 1024/1: 80 us (95)" in text
+
+
+def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
+    """The whole bench on CPU with a small model: every mode measured at every point
+    with the plain model's answer, run k of every mode before run k + 1 of any, the trim
+    op's host time for ``replay``, and the report rendered."""
+    calls = []
+    ttft = bench_timing.ttft
+
+    def spy(runner, isl, conc, tag):
+        calls.append((id(runner), tag))
+        return ttft(runner, isl, conc, tag)
+
+    monkeypatch.setattr(bench_timing, "ttft", spy)
+    args = SimpleNamespace(
+        preset="tiny", model_option=["num_layers=8", "kv_source_layer_ids=1,3", "window=16"],
+        option=["compiler=eager", "decoder_replay_trim_threshold=48"],
+        modes=["eager", "off", "parent", "piecewise", "replay"], settings=["default", "wide"],
+        isl=[40, 100], conc=[1, 2], runs=2, warmup=1, max_num_batched_tokens=128,
+        max_tokens_per_point=1000, max_seconds=1e9, profile_out=None, profile_points=[])
+    report = bench.run_bench(args)
+    runs = {(r["mode"], r["setting"]): r for r in report["results"]}
+    assert set(runs) == {("eager", "default"), ("off", "default"), ("parent", "default"),
+                         ("piecewise", "default"), ("piecewise", "wide"), ("replay", "default"),
+                         ("replay", "wide")}
+    for key, r in runs.items():
+        assert r["error"] is None, (key, r["error"])
+        assert set(r["ms"]) == {"40/1", "40/2", "100/1", "100/2"}, key
+        assert r["max_abs_err_vs_eager"] < 1e-3, key
+    # a 40-token step pads to 40 by default (below the trim threshold 48: nothing to time)
+    # and to 64 in the wide setting (trims); every other point trims in both
+    assert set(runs[("replay", "default")]["trim_host_us"]) == {"40/2", "100/1", "100/2"}
+    assert set(runs[("replay", "wide")]["trim_host_us"]) == {"40/1", "40/2", "100/1", "100/2"}
+    assert report["trim_host_us_median"] > 0
+    # in turns: at each point every mode's timed run m0 comes before any mode's m1
+    timed = [(rid, tag) for rid, tag in calls if tag.startswith("m")]
+    per_point = len(runs) * args.runs
+    for p in range(len(timed) // per_point):
+        block = timed[p * per_point:(p + 1) * per_point]
+        assert [tag for _, tag in block] == ["m0"] * len(runs) + ["m1"] * len(runs)
+        assert len({rid for rid, _ in block[:len(runs)]}) == len(runs)
+    assert "| 100/2 |" in bench.render(report)
+
+
+def test_bench_options_may_not_override_what_modes_decide():
+    args = SimpleNamespace(option=["cudagraph_mode=none"], max_num_batched_tokens=128)
+    with pytest.raises(ValueError, match="--option cudagraph_mode"):
+        bench._backend_config("replay", "default", args)
+
+
+def test_a_mode_that_fails_leaves_the_rotation_and_the_others_are_measured():
+    class Runner:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def prefill(self, prompts):
+            if self.fail:
+                raise RuntimeError("boom")
+            return {}
+
+        def free(self, rid) -> None:
+            pass
+
+    ok = bench_timing.TimedMode(bench.ModeRun("off", "default"), Runner(False))
+    bad = bench_timing.TimedMode(bench.ModeRun("parent", "default"), Runner(True))
+    args = SimpleNamespace(warmup=1, runs=3, profile_out=None, profile_points=[])
+    bench_timing.time_points([bad, ok], [(8, 1), (16, 1)], float("inf"), args, "cpu", {}, [])
+    assert bad.run.error == "RuntimeError: boom" and not bad.run.ms
+    assert ok.run.error is None and set(ok.run.ms) == {"8/1", "16/1"}

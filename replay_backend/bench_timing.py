@@ -1,0 +1,115 @@
+"""The benchmark's timing: TTFT of one prompt set, every mode of a point in turns.
+
+Modes are timed in turns (run k of every mode before run k + 1 of any), so that a
+slow phase of the host or the GPU falls on every mode alike instead of on whichever
+mode was being timed then: the host-bound modes moved by up to 1.6x between
+positions in a sequential order (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .bench_profile import kernel_floor_ms, profile_to
+from .runner import StepRunner
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .bench import ModeRun, SharedTrace
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ttft(runner: StepRunner, isl: int, conc: int, tag: str) -> float:
+    prompts = {f"{tag}-{i}": isl for i in range(conc)}
+    sync()
+    t0 = time.perf_counter()
+    runner.prefill(prompts)
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3
+    for rid in prompts:
+        runner.free(rid)
+    return ms
+
+
+class ModeFailed(Exception):
+    def __init__(self, mode: "TimedMode", cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.mode, self.cause = mode, cause
+
+
+@dataclass
+class TimedMode:
+    """A prepared mode: its report entry and runner. This backend's modes share one
+    compiled forward (``shared``), which runs the model of the mode selected last."""
+
+    run: "ModeRun"
+    runner: StepRunner
+    shared: "SharedTrace | None" = None
+
+    def ttft(self, isl: int, conc: int, tag: str) -> float:
+        if self.shared is not None:
+            self.shared.current = f"{self.run.mode}/{self.run.setting}"
+        try:
+            return ttft(self.runner, isl, conc, tag)
+        except Exception as e:  # noqa: BLE001 - one failing mode must not end the others
+            raise ModeFailed(self, e) from e
+
+
+def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str, floors: dict,
+                   trim_host_us: list) -> None:
+    """Median TTFT of every mode at one point, timed in turns; then for ``replay`` its
+    trim host time and kernel floor, and the profiles asked for."""
+    point = f"{isl}/{conc}"
+    for m in modes:
+        for w in range(args.warmup):
+            m.ttft(isl, conc, f"w{w}")
+    reps = {id(m): m.runner.backend.model.replay for m in modes if m.run.mode == "replay"}
+    for rep in reps.values():
+        rep.host_us.clear()  # the trimming steps of the timed runs only
+    times: dict[int, list[float]] = {id(m): [] for m in modes}
+    for k in range(args.runs):
+        for m in modes:
+            times[id(m)].append(m.ttft(isl, conc, f"m{k}"))
+    for m in modes:
+        m.run.ms[point] = statistics.median(times[id(m)])
+        rep = reps.get(id(m))
+        if rep is not None and rep.host_us:
+            m.run.trim_host_us_inflight[point] = statistics.median(rep.host_us)
+            rep.host_us.clear()
+            rep.sync_at_entry = True
+            try:
+                for k in range(min(args.runs, 5)):
+                    m.ttft(isl, conc, f"h{k}")
+            finally:
+                rep.sync_at_entry = False
+            trim_host_us.extend(rep.host_us)
+            m.run.trim_host_us[point] = statistics.median(rep.host_us)
+        if args.profile_out and point in args.profile_points:
+            profile_to(args.profile_out, f"{m.run.mode}/{m.run.setting} {point}",
+                       lambda: m.ttft(isl, conc, "prof"))
+        if m.run.mode == "replay" and device == "cuda":
+            floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
+
+
+def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: str, floors: dict,
+                 trim_host_us: list) -> None:
+    """Every point for every mode; a mode that fails leaves the rotation with its error."""
+    for isl, conc in shapes:
+        if time.perf_counter() > deadline:
+            for m in modes:
+                m.run.error = m.run.error or "time budget spent"
+            return
+        while modes:
+            try:
+                measure_point(modes, isl, conc, args, device, floors, trim_host_us)
+                break
+            except ModeFailed as f:  # the point again without it
+                f.mode.run.error = f"{type(f.cause).__name__}: {f.cause}"[:500]
+                modes = [m for m in modes if m is not f.mode]

@@ -1,0 +1,28 @@
+"""``KEY=VALUE`` options from the command line (``--option``, ``--model-option``)."""
+from __future__ import annotations
+
+import json
+
+
+def parse_value(text: str):
+    """JSON where it parses (numbers, lists, null), ``true``/``false``, comma-separated
+    lists, else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        low = text.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if "," in text:
+            return [parse_value(t) for t in text.split(",") if t]
+        return text
+
+
+def parse_options(items: list[str] | None, flag: str = "--option") -> dict:
+    opts = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        key, val = item.split("=", 1)
+        opts[key.strip()] = parse_value(val.strip())
+    return opts
