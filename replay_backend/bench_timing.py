@@ -96,6 +96,9 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
                        lambda: m.ttft(isl, conc, "prof"))
         if m.run.mode == "replay" and device == "cuda":
             floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
+    # progress, and what a run cut short by a timeout still leaves in its log
+    print(f"{point}: " + ", ".join(f"{m.run.mode}/{m.run.setting} {m.run.ms[point]:.1f} ms" for m in modes),
+          flush=True)
 
 
 def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: str, floors: dict,
