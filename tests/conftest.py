@@ -47,6 +47,14 @@ def make_runner(model):
     return make
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """The test traces from scratch and leaves no compiled code behind."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """The test models are tiny: one intra-op thread is faster, far faster when another

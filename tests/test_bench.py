@@ -15,11 +15,7 @@ from replay_backend.runner import StepRunner
 from conftest import MAX_MODEL_LEN
 
 
-@pytest.fixture(autouse=True)
-def _fresh(one_thread):
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
 
 def test_shared_trace_builds_every_mode_from_one_dynamo_trace(model):

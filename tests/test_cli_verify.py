@@ -4,20 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from replay_backend import cli
 from replay_backend.verify import VerifyResult
 
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
+
 FIELDS = {"ok", "num_tokens", "padded_tokens", "step_kind", "trimmed", "replay_rows", "replay_padded",
           "replay_graph", "max_abs_err_logits", "max_abs_err_kv", "tolerance"}
-
-
-@pytest.fixture(autouse=True)
-def _reset(one_thread):
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_verify_json_on_the_default_model(capsys):

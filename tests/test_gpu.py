@@ -9,7 +9,7 @@ from replay_backend.backend import ReplayBackend
 from replay_backend.compare import max_abs_err, max_abs_err_kv
 from replay_backend.counters import counters
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CFG = preset("tiny").with_layers(8, (1, 3)).replace(window=16)
@@ -22,13 +22,6 @@ COMPOSITIONS = [
     [RequestChunk("a", 45, 45)],
     [RequestChunk("a", 70, 200), RequestChunk("b", 2, 80)],
 ]
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU machines without triton
-    triton = None
+from ._triton import available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK_M = 64
-
-
-def available() -> bool:
-    return triton is not None
-
-
 NUM_FIELDS = 9
 
 
