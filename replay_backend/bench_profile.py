@@ -20,10 +20,19 @@ def kernel_floor_ms(ttft: Callable[[], float]) -> float:
     return sum(e.self_device_time_total for e in kernels(prof.key_averages())) / 1e3
 
 
-def profile_to(path: str, title: str, ttft: Callable[[], float]) -> None:
-    """Where one TTFT's time goes: host wall time, GPU kernel time, top ops and kernels,
-    appended to ``path`` under ``title`` (one file holds every profile of a run)."""
+def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str | None = None) -> None:
+    """Where one TTFT's time goes: host wall time, GPU kernel time, the GPU's idle time
+    by cause (:mod:`bench_gaps`), top ops and kernels, appended to ``path`` under
+    ``title`` (one file holds every profile of a run). With ``trace_dir`` the Chrome
+    trace is kept there, gzipped."""
+    import gzip
+    import os
+    import shutil
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
+
+    from .bench_gaps import analyse_file
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
@@ -32,9 +41,19 @@ def profile_to(path: str, title: str, ttft: Callable[[], float]) -> None:
     ks = kernels(events)
     gpu_ms = sum(e.self_device_time_total for e in ks) / 1e3
     launches = sum(e.count for e in ks)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        gaps = analyse_file(trace).render()
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            name = "".join(c if c.isalnum() else "_" for c in title) + ".json.gz"
+            with open(trace, "rb") as src, gzip.open(os.path.join(trace_dir, name), "wb") as dst:
+                shutil.copyfileobj(src, dst)
     with open(path, "a") as f:
         f.write(f"\n\n######## {title}\n")
-        f.write(f"wall {wall:.2f} ms (profiled), GPU kernel time {gpu_ms:.2f} ms, {launches} kernels\n\n")
+        f.write(f"wall {wall:.2f} ms (profiled), GPU kernel time {gpu_ms:.2f} ms, {launches} kernels\n")
+        f.write(gaps + "\n\n")
         f.write(events.table(sort_by="self_device_time_total" if ks else "self_cpu_time_total",
                              row_limit=40, max_name_column_width=70))
         f.write("\n\nby host time\n")

@@ -7,6 +7,7 @@ positions in a sequential order (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,6 +37,32 @@ def ttft(runner: StepRunner, isl: int, conc: int, tag: str) -> float:
     for rid in prompts:
         runner.free(rid)
     return ms
+
+
+class GcWatch:
+    """Python's garbage collections while timing: count, gen-2 count and seconds.
+    A gen-2 pass walks every object of the process (a compiled 40-layer model leaves
+    millions), so it can land inside a timed step of whichever mode runs then."""
+
+    def __init__(self) -> None:
+        self.count = self.gen2 = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.gen2 += info.get("generation") == 2
+            self.seconds += time.perf_counter() - self._t0
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
 
 
 class ModeFailed(Exception):
@@ -74,9 +101,10 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     for rep in reps.values():
         rep.host_us.clear()  # the trimming steps of the timed runs only
     times: dict[int, list[float]] = {id(m): [] for m in modes}
-    for k in range(args.runs):
-        for m in modes:
-            times[id(m)].append(m.ttft(isl, conc, f"m{k}"))
+    with GcWatch() as gcw:
+        for k in range(args.runs):
+            for m in modes:
+                times[id(m)].append(m.ttft(isl, conc, f"m{k}"))
     for m in modes:
         m.run.ms[point] = statistics.median(times[id(m)])
         rep = reps.get(id(m))
@@ -93,11 +121,12 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
             m.run.trim_host_us[point] = statistics.median(rep.host_us)
         if args.profile_out and point in args.profile_points:
             profile_to(args.profile_out, f"{m.run.mode}/{m.run.setting} {point}",
-                       lambda: m.ttft(isl, conc, "prof"))
+                       lambda: m.ttft(isl, conc, "prof"), getattr(args, "trace_dir", None))
         if m.run.mode == "replay" and device == "cuda":
             floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
     # progress, and what a run cut short by a timeout still leaves in its log
-    print(f"{point}: " + ", ".join(f"{m.run.mode}/{m.run.setting} {m.run.ms[point]:.1f} ms" for m in modes),
+    print(f"{point}: " + ", ".join(f"{m.run.mode}/{m.run.setting} {m.run.ms[point]:.1f} ms" for m in modes)
+          + f"; gc while timing: {gcw.count} collections ({gcw.gen2} gen-2), {gcw.seconds * 1e3:.1f} ms",
           flush=True)
 
 

@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile-out", metavar="FILE", help="append a profiler summary per mode and profiled point")
     b.add_argument("--profile-points", type=lambda s: s.split(","), default=["1024/1", "8192/1"],
                    metavar="ISL/CONC,...")
+    b.add_argument("--trace-dir", metavar="DIR", help="keep each profiled point's Chrome trace here (gzipped)")
     b.add_argument("--model-option", action="append", metavar="KEY=VALUE", default=[],
                    help="override a model config field, e.g. sinkhorn_impl=fused")
     b.add_argument("--compile-only", action="store_true",
