@@ -67,7 +67,6 @@ class ReplayBatch:
     rows_t: torch.Tensor  # [num_rows] int64 on the model's device
     positions: torch.Tensor  # [num_rows]
     view: AttnView
-    rows_host: torch.Tensor  # rows as an int64 host tensor (the trim op stages it per step)
 
     @property
     def num_rows(self) -> int:
@@ -203,5 +202,5 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     ids, pos = to_device(ids, device), to_device(pos, device)
     view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
-    replay = ReplayBatch(tuple(rows), rows_t, rpos, replay_view, rows_cpu)
+    replay = ReplayBatch(tuple(rows), rows_t, rpos, replay_view)
     return StepBatch(requests, window, ids, pos, last, view, replay)

@@ -22,7 +22,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
 from replay_backend.compare import max_abs_err, max_abs_err_kv
-from replay_backend.config import padded_size
 from replay_backend.counters import counters
 from replay_backend.runner import StepRunner
 from replay_backend.runtime.graphs import GraphLevel, GraphResources, PieceRunner, StaticGraph
@@ -120,10 +119,14 @@ def check_outputs(env, got, want, atol=ATOL):
     assert kv_err <= atol, f"replay-layer KV differs by {kv_err}"
 
 
+def _ceil(sizes, n):
+    return min((s for s in sizes if s >= n), default=None)
+
+
 def expected_dispatch(batch, main_sizes, replay_sizes, threshold, replay_graphs=True):
     """(kind, padded_tokens, trimmed, replay rows or None, replay padded) per SPEC §5-§6."""
     t = max(batch.num_tokens, 2)  # the runner runs a lone decode as two rows
-    tp = padded_size(main_sizes, t) if main_sizes else None
+    tp = _ceil(main_sizes, t)
     if tp is not None:
         kind, padded = "piecewise", tp
         trimmed = replay_graphs and tp >= threshold
@@ -133,7 +136,7 @@ def expected_dispatch(batch, main_sizes, replay_sizes, threshold, replay_graphs=
     if not trimmed:
         return kind, padded, False, None, (tp if kind == "piecewise" else None)
     rows = batch.replay.num_rows
-    return kind, padded, True, rows, padded_size(replay_sizes, rows) if replay_sizes else None
+    return kind, padded, True, rows, _ceil(replay_sizes, rows)
 
 
 def check_dispatch(out, kind, padded, trimmed, rows, rpad):
@@ -350,11 +353,25 @@ def test_stale_replay_rows_do_not_leak(shared):
     assert (first.trim.rows, first.trim.padded) == (31, 32)
     out = compare(shared, [R("q", 50, 50), R("d", 1, 20)])
     assert (out.trim.rows, out.trim.padded) == (17, 32)
-    # rows 17..31 of the replay buffers are padding (copies of the step's row 0 when the
-    # gathers run as graphs, else the previous step's rows): computed on and discarded,
-    # and the comparison above saw none of it
+    # rows 17..31 of the replay buffers are padding (copies of rows an earlier step left
+    # in the gather graph's index, else the previous step's rows): computed on and
+    # discarded, and the comparison above saw none of it
     stale = m.replay.buffers[0][17:31]
     assert (stale != 0).any()
+
+
+def test_graphed_gathers_clamp_stale_padding_to_the_smaller_main_size(shared):
+    """The gather graph's index buffer keeps an earlier step's rows past the real ones.
+    After a 64-token step whose replay rows reach row 63, a 48-token step with fewer
+    rows at the same replay size has stale indices 55..63 there: clamped below 48, they
+    only fill padding, and the step matches the oracle."""
+    io = shared.be.model.replay.io
+    first = compare(shared, [R("x", 30, 30), R("y", 34, 34)])
+    assert (first.step.padded_tokens, first.trim.rows, first.trim.padded) == (64, 32, 32)
+    assert first.trim.io_graphs and io.index[16:32].min().item() >= 48
+    out = compare(shared, [R("z", 40, 40), R("d", 1, 20), R("e", 6, 6)])
+    assert (out.step.padded_tokens, out.trim.rows, out.trim.padded) == (48, 23, 32)
+    assert out.trim.io_graphs and io.index[23:32].min().item() >= 48  # stale, out of range
 
 
 def test_trim_gathers_and_scatter_run_as_graphs(shared):

@@ -70,9 +70,12 @@ class GraphResources:
 @dataclass
 class GraphLevel:
     name: str  # "main" | "replay"
-    sizes: list[int]
+    sizes: list[int]  # kept ascending (config.padded_size bisects them)
     size: int | None = None  # padded size of the running step; None = run pieces directly
     may_capture: bool = True  # False once serving started: no capture afterwards
+
+    def __post_init__(self) -> None:
+        self.sizes = sorted(set(self.sizes))
 
 
 def _tensors(x) -> list[torch.Tensor]:

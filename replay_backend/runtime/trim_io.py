@@ -8,14 +8,17 @@ the gathers into the region and the scatter back are graphs per (S, R), and what
 left on the host per step is to write the replay rows into a staging buffer, one copy
 to the device, and two replays (instead of a launch per row tensor and per output).
 
-The per-step index data is one small device buffer: ``[0, R)`` the rows to gather
-(padded with row 0, whose copies only fill padded replay rows) and, at ``R_max``, the
-number of real replay rows n. The gather graph derives the scatter's index and mask
-from it on the device (for each main row its replay row plus one, or 0 for a trimmed
-row: a scatter-add of ``1..n`` at the gathered rows, pads adding 0), so the host copies
-``R_max + 1`` integers per step whatever the main size. Neither graph allocates: every
-op writes into a buffer that exists already, so these graphs take nothing from the
-shared pool that a replay graph could reuse.
+The per-step index data is one small device buffer: ``[0, R)`` the rows to gather and,
+at ``R_max``, the number of real replay rows n. Per step the host queues two tiny device
+ops: a device-to-device copy of the step's replay rows (already on the device with the
+step's metadata) into ``[0, n)``, and a fill of the count; no host-to-device copy, no
+staging buffer. Entries ``[n, R)`` keep whatever an earlier step left there, so the
+gather graph clamps every index below the main size S first: a padded replay row then
+copies some real row, and only fills padding. The gather graph derives the scatter's
+index and mask from the count on the device (for each main row its replay row plus
+one, or 0 for a trimmed row: a scatter-add of ``1..n`` at the gathered rows, pads
+adding 0). Neither graph allocates: every op writes into a buffer that exists already,
+so these graphs take nothing from the shared pool that a replay graph could reuse.
 """
 from __future__ import annotations
 
@@ -24,10 +27,11 @@ import torch
 from .graphs import GraphResources, StaticGraph
 
 
-def _gather(k: int):
+def _gather(k: int, size: int):
     def run(*args):
         rows, bufs = args[:k], args[k:2 * k]
-        gidx, count, ranks, vals, valid, row_map, sidx, smask = args[2 * k:]
+        index, gidx, count, ranks, vals, valid, row_map, sidx, smask = args[2 * k:]
+        torch.clamp(index, 0, size - 1, out=gidx)  # stale padding entries stay in range
         for b, x in zip(bufs, rows):
             torch.index_select(x, 0, gidx, out=b)
         torch.le(ranks, count, out=valid)  # real replay rows, not padding
@@ -54,13 +58,14 @@ class TrimIO:
     def __init__(self, max_rows: int, max_tokens: int, device: torch.device, res: GraphResources) -> None:
         self.rmax, self.smax, self.res = max_rows, max_tokens, res
         self.index = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        self.count = self.index[max_rows:]
+        self.gidx = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.ranks = torch.arange(1, max_rows + 1, dtype=torch.int64, device=device)  # replay row + 1
         self.vals = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.valid = torch.zeros(max_rows, dtype=torch.bool, device=device)
         self.row_map = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.sidx = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.smask = torch.zeros(max_tokens, dtype=torch.bool, device=device)
-        self.pinned = device.type == "cuda"
         self.main_io: dict[int, tuple[list, list]] = {}  # S -> (rows, outs) while main graphs capture
         self.graphs: dict[tuple[int, int], tuple[StaticGraph, StaticGraph]] = {}
         self._tail_cache: dict[tuple[int, int], tuple[tuple, tuple]] = {}
@@ -76,8 +81,9 @@ class TrimIO:
         tails = self._tail_cache.get((size, rows_size))
         if tails is None:
             tails = self._tail_cache[(size, rows_size)] = (
-                (self.index[:rows_size], self.index[self.rmax:], self.ranks[:rows_size], self.vals[:rows_size],
-                 self.valid[:rows_size], self.row_map[:size], self.sidx[:size], self.smask[:size]),
+                (self.index[:rows_size], self.gidx[:rows_size], self.count, self.ranks[:rows_size],
+                 self.vals[:rows_size], self.valid[:rows_size], self.row_map[:size], self.sidx[:size],
+                 self.smask[:size]),
                 (self.sidx[:size], self.smask[:size]))
         return tails
 
@@ -92,7 +98,7 @@ class TrimIO:
             rows, outs = self.main_io[size]
             gtail, stail = self._tails(size, rows_size)
             pair = []
-            for name, fn, args in (("gather", _gather(len(rows)), (*rows, *bufs, *gtail)),
+            for name, fn, args in (("gather", _gather(len(rows), size), (*rows, *bufs, *gtail)),
                                    ("scatter", _scatter(len(outs)), (*res, *outs, *stail))):
                 if self.res.use_cuda:
                     fn(*args)  # warm-up: first kernel loads happen outside the capture
@@ -101,18 +107,13 @@ class TrimIO:
             n += 2
         return n
 
-    def stage(self, rows: torch.Tensor, rows_size: int) -> None:
-        """Write one step's index data (``rows``: the replay rows, an int64 host tensor)
-        to the device: one asynchronous copy. The staging tensor comes from the caching
-        host allocator, which keeps its block until the copy has run, so the host never
-        waits for the step the GPU is running. (Double buffers guarded by events of our
-        own did the same; recording an event from Python resolves the current stream
-        through several Python calls, most of this method's host time in a profile.)"""
+    def stage(self, rows: torch.Tensor) -> None:
+        """Write one step's index data: ``rows``, the replay rows as a device tensor, and
+        their count. Two device ops queued in stream order, so the host never waits for
+        the step the GPU is running, and the graphs read them in that order."""
         n = rows.shape[0]
-        host = torch.zeros(self.rmax + 1, dtype=torch.int64, pin_memory=self.pinned)
-        host[:n] = rows
-        host[self.rmax] = n
-        self.index.copy_(host, non_blocking=True)
+        self.index[:n].copy_(rows)
+        self.count.fill_(n)
 
     def run(self, size: int, rows_size: int, rows, bufs, region, outs) -> None:
         """Gather (graph), ``region()`` runs the region and returns its outputs, scatter

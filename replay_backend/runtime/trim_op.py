@@ -67,7 +67,7 @@ class ReplayRuntime:
         self.region, self.cfg, self.window = region, cfg, window
         self.dp_group = dp_group  # data-parallel ranks that must replay together (SPEC §6)
         self.level, self.res = level, res
-        self.replay_sizes = replay_sizes  # sizes a trimmed step pads to
+        self.replay_sizes = sorted(replay_sizes)  # sizes a trimmed step pads to (ascending)
         # Main sizes whose steps trim (PIECEWISE, at or above the threshold): their gathers
         # and scatter become graphs too (trim_io.py).
         self.trim_main_sizes = sorted(s for s in main_sizes or [] if s >= cfg.decoder_replay_trim_threshold) \
@@ -143,7 +143,7 @@ class ReplayRuntime:
         with ctx.activate(view):
             if io_pair is not None and self.io is not None and io_pair in self.io.graphs:
                 bufs = self._sliced(rows, size)
-                self.io.stage(rep.rows_host, size)
+                self.io.stage(rep.rows_t)
                 self.io.run(*io_pair, rows, bufs, lambda: self.run_region(bufs, consts, size), outs)
                 res = None
             elif size is None:
