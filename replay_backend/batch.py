@@ -65,6 +65,9 @@ class ReplayBatch:
 
     rows: tuple[int, ...]
     rows_t: torch.Tensor  # [num_rows] int64 on the model's device
+    # [1 + num_rows]: the row count, then ``rows_t`` (a view of the same memory), so the
+    # trim op stages its index data with one device copy.
+    count_rows: torch.Tensor
     positions: torch.Tensor  # [num_rows]
     view: AttnView
 
@@ -190,17 +193,37 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     floors = tuple(replay_floor(r, window) for r in requests)
     seq_lens = tuple(r.seq_len for r in requests)
     rows, kqsl = replay_rows(requests, window)
-    rows_cpu = torch.tensor(rows, dtype=torch.int64)
+    rows_cpu = torch.tensor([len(rows), *rows], dtype=torch.int64)  # the count, then the rows
     ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
     last = torch.tensor(qsl[1:], dtype=torch.int64) - 1
+    blocks = [attn_row_blocks(q, seq_lens, floors, base, window) for q in (qsl, kqsl)]
     # One copy to the device for the metadata, every field a view of it. The model's
     # inputs get storage of their own: views of one buffer would make Dynamo trace
     # their storage offsets as symbols.
-    parts = [slots, comp, last, rows_cpu, slots[rows_cpu], pos[rows_cpu]]
+    parts = [slots, comp, last, rows_cpu, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *blocks]
     flat = to_device(torch.cat(parts), device)
-    slots, comp, last, rows_t, rslots, rpos = flat.split([len(x) for x in parts])
+    slots, comp, last, count_rows, rslots, rpos, blk, rblk = flat.split([len(x) for x in parts])
     ids, pos = to_device(ids, device), to_device(pos, device)
     view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
-    replay = ReplayBatch(tuple(rows), rows_t, rpos, replay_view)
+    for v, b in ((view, blk), (replay_view, rblk)):
+        v.derived[ATTN_BLOCKS] = b.view(-1, ATTN_BLOCK_FIELDS)
+    replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
     return StepBatch(requests, window, ids, pos, last, view, replay)
+
+
+# The attention kernel's per-view row blocks (models/attention_triton.py): built with
+# the step's other metadata, so they reach the device in its one copy instead of in a
+# copy of their own inside the step's first attention op, on the critical path.
+ATTN_BLOCKS = "attn_blocks"
+ATTN_BLOCK_FIELDS = 9
+
+
+def attn_row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int) -> torch.Tensor:
+    """The rows of :func:`models.attention_triton.row_blocks`, flat int64 on the host."""
+    from .models.attention_triton import NUM_FIELDS, row_blocks  # the models import this module
+
+    if NUM_FIELDS != ATTN_BLOCK_FIELDS:  # pragma: no cover - a kernel change must update both
+        raise RuntimeError("attention row block layout changed: update batch.ATTN_BLOCK_FIELDS")
+    rows = row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window)
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1)

@@ -153,11 +153,12 @@ class StepRunner:
     def _compile_guards(self, fwd, ids: torch.Tensor, pos: torch.Tensor):
         if self.backend is None or fwd is not self.forward:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch_compat.dynamic_tokens(ids, pos))
         if self.backend.frozen:
-            stack.enter_context(torch_compat.no_recompile())
-        return stack
+            # Served steps never trace (a trace now is a recompile, an error), so the
+            # size-oblivious tracing knob is not needed: its config patch is host time.
+            torch_compat.mark_tokens_dynamic(ids, pos)
+            return torch_compat.no_recompile()
+        return torch_compat.dynamic_tokens(ids, pos)
 
     @torch.inference_mode()
     def dummy_batch(self, num_tokens: int) -> StepBatch:
@@ -167,7 +168,7 @@ class StepRunner:
         reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s))
                 for i, s in enumerate(range(0, num_tokens, w))]
         tokens = [[0] * r.query_len for r in reqs]
-        b = build_step_batch(reqs, tokens, [0] * len(reqs), self.layout, w, self.device)
+        b = build_step_batch(reqs, tokens, [0] * len(reqs), self.layout, self.cfg.window, self.device)
         pad = self.layout.pad_slot
 
         def to_pad(v: AttnView) -> AttnView:

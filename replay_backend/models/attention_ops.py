@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import torch_compat
-from ..batch import to_device
+from ..batch import ATTN_BLOCKS, attn_row_blocks, to_device
 from ..forward_context import get_forward_context
 from . import attention_triton
 
@@ -122,12 +122,11 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     floored = layer > cfg.cut
     scale = q.shape[-1] ** -0.5
     if _use_triton(cfg.attention_impl, q):
-        blocks = view.derived.get("attn_blocks")
-        if blocks is None:
-            rows = attention_triton.row_blocks(view.query_start_loc, view.seq_lens, view.kv_start,
-                                               view.cache_base, cfg.window)
-            blocks = view.derived["attn_blocks"] = to_device(torch.tensor(
-                rows, dtype=torch.int32).reshape(-1, attention_triton.NUM_FIELDS), q.device)
+        blocks = view.derived.get(ATTN_BLOCKS)
+        if blocks is None:  # a view not built by build_step_batch
+            blocks = view.derived[ATTN_BLOCKS] = to_device(attn_row_blocks(
+                view.query_start_loc, view.seq_lens, view.kv_start, view.cache_base, cfg.window),
+                q.device).view(-1, attention_triton.NUM_FIELDS)
         attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale)
         if out.shape[0] > n:
             out[n:] = 0

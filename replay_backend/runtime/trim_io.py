@@ -8,17 +8,18 @@ the gathers into the region and the scatter back are graphs per (S, R), and what
 left on the host per step is to write the replay rows into a staging buffer, one copy
 to the device, and two replays (instead of a launch per row tensor and per output).
 
-The per-step index data is one small device buffer: ``[0, R)`` the rows to gather and,
-at ``R_max``, the number of real replay rows n. Per step the host queues two tiny device
-ops: a device-to-device copy of the step's replay rows (already on the device with the
-step's metadata) into ``[0, n)``, and a fill of the count; no host-to-device copy, no
-staging buffer. Entries ``[n, R)`` keep whatever an earlier step left there, so the
-gather graph clamps every index below the main size S first: a padded replay row then
-copies some real row, and only fills padding. The gather graph derives the scatter's
-index and mask from the count on the device (for each main row its replay row plus
-one, or 0 for a trimmed row: a scatter-add of ``1..n`` at the gathered rows, pads
-adding 0). Neither graph allocates: every op writes into a buffer that exists already,
-so these graphs take nothing from the shared pool that a replay graph could reuse.
+The per-step index data is one small device buffer: at 0 the number of real replay
+rows n, then ``[1, R + 1)`` the rows to gather. Per step the host queues one
+device-to-device copy of the step's count and replay rows (``ReplayBatch.count_rows``,
+on the device with the step's metadata already) into ``[0, n + 1)``: no host-to-device
+copy, no staging buffer. Entries past n keep whatever an earlier step left there, so
+the gather graph clamps every index below the main size S first: a padded replay row
+then copies some real row, and only fills padding. The gather graph derives the
+scatter's index and mask from the count on the device (for each main row its replay
+row plus one, or 0 for a trimmed row: a scatter-add of ``1..n`` at the gathered rows,
+pads adding 0). Neither graph allocates: every op writes into a buffer that exists
+already, so these graphs take nothing from the shared pool that a replay graph could
+reuse.
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def _scatter(k: int):
 class TrimIO:
     def __init__(self, max_rows: int, max_tokens: int, device: torch.device, res: GraphResources) -> None:
         self.rmax, self.smax, self.res = max_rows, max_tokens, res
-        self.index = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
-        self.count = self.index[max_rows:]
+        self.index = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)  # count, rows
+        self.count = self.index[:1]
         self.gidx = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.ranks = torch.arange(1, max_rows + 1, dtype=torch.int64, device=device)  # replay row + 1
         self.vals = torch.zeros(max_rows, dtype=torch.int64, device=device)
@@ -81,7 +82,7 @@ class TrimIO:
         tails = self._tail_cache.get((size, rows_size))
         if tails is None:
             tails = self._tail_cache[(size, rows_size)] = (
-                (self.index[:rows_size], self.gidx[:rows_size], self.count, self.ranks[:rows_size],
+                (self.index[1:rows_size + 1], self.gidx[:rows_size], self.count, self.ranks[:rows_size],
                  self.vals[:rows_size], self.valid[:rows_size], self.row_map[:size], self.sidx[:size],
                  self.smask[:size]),
                 (self.sidx[:size], self.smask[:size]))
@@ -107,13 +108,11 @@ class TrimIO:
             n += 2
         return n
 
-    def stage(self, rows: torch.Tensor) -> None:
-        """Write one step's index data: ``rows``, the replay rows as a device tensor, and
-        their count. Two device ops queued in stream order, so the host never waits for
-        the step the GPU is running, and the graphs read them in that order."""
-        n = rows.shape[0]
-        self.index[:n].copy_(rows)
-        self.count.fill_(n)
+    def stage(self, count_rows: torch.Tensor) -> None:
+        """Write one step's index data, ``ReplayBatch.count_rows`` (a device tensor: the
+        count, then the rows): one device copy, queued in stream order, so the host never
+        waits for the step the GPU is running and the graphs read it in that order."""
+        self.index[:count_rows.shape[0]].copy_(count_rows)
 
     def run(self, size: int, rows_size: int, rows, bufs, region, outs) -> None:
         """Gather (graph), ``region()`` runs the region and returns its outputs, scatter

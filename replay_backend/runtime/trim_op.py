@@ -143,7 +143,7 @@ class ReplayRuntime:
         with ctx.activate(view):
             if io_pair is not None and self.io is not None and io_pair in self.io.graphs:
                 bufs = self._sliced(rows, size)
-                self.io.stage(rep.rows_t)
+                self.io.stage(rep.count_rows)
                 self.io.run(*io_pair, rows, bufs, lambda: self.run_region(bufs, consts, size), outs)
                 res = None
             elif size is None:
