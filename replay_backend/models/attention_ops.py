@@ -16,6 +16,7 @@ import torch
 
 from .. import torch_compat
 from ..batch import ATTN_BLOCKS, attn_row_blocks, to_device
+from ..oplib import define_op
 from ..forward_context import get_forward_context
 from . import attention_triton
 
@@ -148,44 +149,35 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
         out[n:] = 0  # padded rows: deterministic, never read
 
 
-@torch.library.custom_op("dsv41::swa_attention", mutates_args=("out",),
-                          tags=torch_compat.step_dependent_tags())
-def swa_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
-                  layer: int) -> None:
+def _swa_attention(q, kv, sink, out, layer: int) -> None:
     """Layers below the first KV source: own sliding-window KV only."""
     _run_attention(layer, q, kv, sink, out)
 
 
-@torch.library.custom_op("dsv41::global_attention", mutates_args=("out",),
-                          tags=torch_compat.step_dependent_tags())
-def global_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
-                     layer: int) -> None:
+def _global_attention(q, kv, sink, out, layer: int) -> None:
     """Own SWA KV plus the global KV of the latest source below (replay layers included)."""
     _run_attention(layer, q, kv, sink, out)
 
 
-@torch.library.custom_op("dsv41::source_attention", mutates_args=("out",),
-                          tags=torch_compat.step_dependent_tags())
-def source_attention(q: torch.Tensor, kv: torch.Tensor, comp_kv: torch.Tensor,
-                     comp_gate: torch.Tensor | None, comp_norm: torch.Tensor, sink: torch.Tensor,
-                     out: torch.Tensor, layer: int) -> None:
+def _source_attention(q, kv, comp_kv, comp_gate, comp_norm, sink, out, layer: int) -> None:
     """KV source layers: run the compressor, then attend like ``global_attention``."""
     _run_attention(layer, q, kv, sink, out, compress=(comp_kv, comp_gate, comp_norm))
 
 
-@swa_attention.register_fake
-def _(q, kv, sink, out, layer):
+def _no_output(*args) -> None:
     return None
 
 
-@global_attention.register_fake
-def _(q, kv, sink, out, layer):
-    return None
-
-
-@source_attention.register_fake
-def _(q, kv, comp_kv, comp_gate, comp_norm, sink, out, layer):
-    return None
+_ATTN_SCHEMA = "(Tensor q, Tensor kv, Tensor sink, Tensor(a!) out, int layer) -> ()"
+swa_attention = define_op("dsv41::swa_attention", _ATTN_SCHEMA, _swa_attention, _no_output,
+                          torch_compat.step_dependent_tags())
+global_attention = define_op("dsv41::global_attention", _ATTN_SCHEMA, _global_attention, _no_output,
+                             torch_compat.step_dependent_tags())
+source_attention = define_op(
+    "dsv41::source_attention",
+    "(Tensor q, Tensor kv, Tensor comp_kv, Tensor? comp_gate, Tensor comp_norm, Tensor sink, "
+    "Tensor(a!) out, int layer) -> ()",
+    _source_attention, _no_output, torch_compat.step_dependent_tags())
 
 
 ATTENTION_OPS = (

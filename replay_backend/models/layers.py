@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..oplib import define_op
 from . import sinkhorn_triton
 from .attention_ops import rms_norm
 
@@ -51,18 +52,18 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
-@torch.library.custom_op("dsv41::sinkhorn", mutates_args=())
+@torch.library.triton_op("dsv41::sinkhorn", mutates_args=())
 def sinkhorn_fused(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """:func:`sinkhorn` as one op: one Triton kernel where it can run, else the
-    reference. Row-local (each token's matrix alone), no host sync."""
+    reference. Row-local (each token's matrix alone), no host sync.
+
+    A ``triton_op`` rather than an opaque ``custom_op``: Inductor traces into it and
+    launches the kernel from the piece's compiled code. Opaque, every call of a piece
+    run without graphs went through the dispatcher into Python first (about 70 us of
+    host time per call, 80 calls per step of a 40-layer model)."""
     if logits.is_cuda and sinkhorn_triton.available() and sinkhorn_triton.supports(logits):
         return sinkhorn_triton.sinkhorn(logits, iters)
     return sinkhorn(logits.float(), iters)
-
-
-@sinkhorn_fused.register_fake
-def _(logits, iters):
-    return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
 def mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -171,8 +172,7 @@ class MoE(nn.Module):
         return out
 
 
-@torch.library.custom_op("dsv41::moe_grouped", mutates_args=())
-def moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gate_up: torch.Tensor,
+def _moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
     """Routed experts as grouped GEMMs over (row, expert) pairs sorted by expert.
 
@@ -195,6 +195,10 @@ def moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gat
     return (y.float() * top_w[..., None]).sum(1).to(x.dtype)
 
 
-@moe_grouped.register_fake
-def _(x, top_w, top_i, w_gate_up, w_down):
+def _moe_grouped_fake(x, top_w, top_i, w_gate_up, w_down):
     return torch.empty_like(x)
+
+
+moe_grouped = define_op("dsv41::moe_grouped",
+                        "(Tensor x, Tensor top_w, Tensor top_i, Tensor w_gate_up, Tensor w_down) -> Tensor",
+                        _moe_grouped, _moe_grouped_fake)

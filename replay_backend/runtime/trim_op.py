@@ -19,6 +19,7 @@ from .. import torch_compat
 from ..config import ReplayConfig, padded_size
 from ..counters import counters
 from ..forward_context import get_forward_context
+from ..oplib import define_op
 from .graphs import GraphLevel, GraphResources
 from .trim_io import TrimIO
 
@@ -34,19 +35,22 @@ class TrimRecord:
     io_graphs: bool = False  # the gathers and scatter ran as graphs too (trim_io.py)
 
 
-@torch.library.custom_op("dsv41_replay::trim_and_redispatch", mutates_args=("outs",),
-                          tags=torch_compat.step_dependent_tags())
-def trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
-                        outs: list[torch.Tensor], region: int) -> None:
+def _trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
+                         outs: list[torch.Tensor], region: int) -> None:
     runtime = get_forward_context().replay_runtime
     if runtime is None:
         raise RuntimeError("trim_and_redispatch ran outside a dsv41_replay compiled model")
     runtime(rows, consts, outs)
 
 
-@trim_and_redispatch.register_fake
-def _(rows, consts, outs, region):
+def _trim_fake(rows, consts, outs, region) -> None:
     return None
+
+
+trim_and_redispatch = define_op(
+    "dsv41_replay::trim_and_redispatch",
+    "(Tensor[] rows, Tensor[] consts, Tensor(a!)[] outs, int region) -> ()",
+    _trim_and_redispatch, _trim_fake, torch_compat.step_dependent_tags())
 
 
 def dp_agree(needs: bool, rows: int, group) -> tuple[bool, int]:
