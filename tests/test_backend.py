@@ -192,9 +192,8 @@ def test_graph_memory_estimate_needs_cuda(shared):
 
 
 def test_fused_sinkhorn_op_compiles_into_the_replay_region(cfg):
-    """The fused Sinkhorn is one op inside graph pieces (a triton_op, which Inductor traces
-    into), also in the replay region (row-local, so the region check accepts it); same
-    numbers as the reference."""
+    """The fused Sinkhorn is one opaque custom op inside graph pieces, also in the replay
+    region (row-local, so the region check accepts it); same numbers as the reference."""
     from replay_backend.models import build_model
 
     fused = build_model(cfg.replace(sinkhorn_impl="fused"))

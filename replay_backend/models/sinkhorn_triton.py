@@ -44,8 +44,6 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     t, hc, _ = logits.shape
     out = torch.empty((t, hc, hc), dtype=torch.float32, device=logits.device)
     if t:
-        # wrap_triton: under torch.compile the launch is traced (Inductor emits it);
-        # called directly it launches as usual.
-        torch.library.wrap_triton(_sinkhorn_kernel)[(triton.cdiv(t, BLOCK),)](
-            logits, out, t, logits.stride(0), ITERS=iters, HC=hc, BLOCK_T=BLOCK)
+        _sinkhorn_kernel[(triton.cdiv(t, BLOCK),)](logits, out, t, logits.stride(0), ITERS=iters, HC=hc,
+                                                   BLOCK_T=BLOCK)
     return out
