@@ -16,8 +16,8 @@ import torch
 
 from .. import torch_compat
 from ..batch import ATTN_BLOCKS, attn_row_blocks, to_device
-from ..oplib import define_op
 from ..forward_context import get_forward_context
+from ..oplib import define_op
 from . import attention_triton
 
 # Elements of one [heads, rows, keys] score block; bounds temporary memory.
@@ -164,7 +164,7 @@ def _source_attention(q, kv, comp_kv, comp_gate, comp_norm, sink, out, layer: in
     _run_attention(layer, q, kv, sink, out, compress=(comp_kv, comp_gate, comp_norm))
 
 
-def _no_output(*args) -> None:
+def _no_output(*args, **kwargs) -> None:
     return None
 
 

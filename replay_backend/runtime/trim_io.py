@@ -5,8 +5,8 @@ op moves has a fixed address: its row tensors and outputs are outputs of main pi
 captured at S (owned: they are alive across the trim op, see ``graphs.py``), and the
 region's inputs and outputs are its static buffers and its graphs' outputs at R. So
 the gathers into the region and the scatter back are graphs per (S, R), and what is
-left on the host per step is to write the replay rows into a staging buffer, one copy
-to the device, and two replays (instead of a launch per row tensor and per output).
+left on the host per step is one device copy of the index data and two replays
+(instead of a launch per row tensor and per output).
 
 The per-step index data is one small device buffer: at 0 the number of real replay
 rows n, then ``[1, R + 1)`` the rows to gather. Per step the host queues one
