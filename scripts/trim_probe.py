@@ -1,5 +1,6 @@
 """Where the trim op's host time goes (GPU): per-phase host time of trimming steps of
-one prompt at a graphed main size, with the device idle at the op's entry.
+one prompt at a graphed main size, with the device idle at the op's entry, then the
+op's host time with work queued ahead of it (as in served steps).
 
 usage: python3 scripts/trim_probe.py [--preset tiny] [--layers N] [--isl 1024] [--steps 50]
 
@@ -65,16 +66,27 @@ def main() -> None:
         runner.prefill({f"m{i}": args.isl})
         runner.free(f"m{i}")
         region_us.append(rep._region_s * 1e6)
+    idle_us, idle_phases = list(rep.host_us), {k: list(v) for k, v in phases.items()}
+    rep.sync_at_entry = False
+    rep.host_us.clear()
+    for i in range(args.steps):
+        runner.prefill({f"q{i}": args.isl})
+        runner.free(f"q{i}")
+    queued_us = list(rep.host_us)
     # The graphed path against the same step without graphs: a fast wrong op is no result.
     batch = runner.build_batch([RequestChunk("last", args.isl, args.isl)])
     last = runner.run(batch)
     plain = runner.run(batch, use_graphs=False)
     runner.free("last")
     print(f"logits, graphed trim vs no graphs: max|d| {(last.logits - plain.logits).abs().max().item():.3g}")
-    print(f"trim op host us (no region), median of {len(rep.host_us)}: {statistics.median(rep.host_us):.1f}; "
-          f"step {last.step}, trim {last.trim}")
-    for k, v in phases.items():
-        print(f"  {k}: median {statistics.median(v):.1f} us over {len(v)}")
+    if not idle_us or not last.trim.trimmed:
+        raise SystemExit(f"--isl {args.isl} gives steps that do not trim ({last.trim}): use one at or above "
+                         f"the trim threshold ({be.config.decoder_replay_trim_threshold})")
+    print(f"step {last.step}, trim {last.trim}")
+    print(f"trim op host us (no region), median of {len(idle_us)} steps each: device idle at entry "
+          f"{statistics.median(idle_us):.1f}, work queued ahead {statistics.median(queued_us):.1f}")
+    for k, v in idle_phases.items():
+        print(f"  {k} (device idle at entry): median {statistics.median(v):.1f} us over {len(v)}")
     print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")
     prof = cProfile.Profile()
     call = type(rep).__call__
