@@ -21,6 +21,7 @@ import torch
 
 from . import torch_compat
 from .backend import ReplayBackend
+from .bench_accuracy import drifted, fp32_reference
 from .bench_report import MODES, render  # noqa: F401  (bench.render: the CLI's and tests')
 from .bench_timing import TimedMode, sync, time_points
 from .cli_options import parse_options
@@ -53,6 +54,8 @@ class ModeRun:
     trim_host_us: dict = field(default_factory=dict)
     trim_host_us_inflight: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
+    max_abs_err_vs_fp32: float | None = None  # the same vs an fp32 copy of a 16-bit model
+    drifted: bool = False  # much further from the fp32 copy than the plain model (bench_accuracy)
     error: str | None = None
 
 
@@ -183,6 +186,8 @@ def run_bench(args) -> dict:
     ref_runner = StepRunner(model, **kw)
     reference = ref_runner.prefill({"check": shapes[0][0]})["check"]
     ref_runner = None
+    exact = fp32_reference(model, shapes[0][0], args.max_num_batched_tokens)
+    plain_err = max_abs_err(reference.float(), exact) if exact is not None else None
     cache = PieceCache()  # identical pieces compile once
     shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache)
                           for m, s in plan if m in MODE_OPTIONS})
@@ -204,6 +209,9 @@ def run_bench(args) -> dict:
             got = runner.prefill({"check": shapes[0][0]})["check"]
             runner.free("check")
             run.max_abs_err_vs_eager = max_abs_err(got, reference)
+            if exact is not None:
+                run.max_abs_err_vs_fp32 = max_abs_err(got.float(), exact)
+                run.drifted = drifted(run.max_abs_err_vs_fp32, plain_err, exact.abs().max().item())
         except Exception as e:  # report the failure of one mode, keep the others
             run.error = f"{type(e).__name__}: {e}"[:500]
             return None
@@ -229,6 +237,7 @@ def run_bench(args) -> dict:
             "model_options": list(args.model_option or []),
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
             "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
+            "plain_err_vs_fp32": plain_err,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 
 

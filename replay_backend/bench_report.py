@@ -14,6 +14,10 @@ def render(report: dict) -> str:
     lines = [f"# {report['preset']}{' (' + opts + ')' if opts else ''} {report['dtype']} on {report['device']} (torch {report['torch']}), "
              f"median of {report['runs']} after {report['warmup']} warm-up, "
              f"max_num_batched_tokens {report['max_num_batched_tokens']}"]
+    drift = [f"{r['setting']}/{r['mode']}" for r in report["results"] if r.get("drifted")]
+    if drift:
+        lines.append(f"\nWARNING: the logits of {', '.join(drift)} drift from the model (much further from "
+                     "its fp32 copy than the plain model is): their times are not results")
     by = {(r["setting"], r["mode"]): r for r in report["results"]}
     for setting in ("default", "wide"):
         rows = {k for (s, _), r in by.items() if s == setting for k in r["ms"]}
@@ -39,14 +43,19 @@ def render(report: dict) -> str:
         lines.append(f"\nDynamo trace, once for every mode of this backend: {report['trace_s']:.1f} s")
     lines.append("\nbuild (split + compile pieces; the first built compiles, the others reuse "
                  "identical pieces) and capture per mode:")
+    if report.get("plain_err_vs_fp32") is not None:
+        lines.append(f"(the plain model's logits vs its fp32 copy: max|d| {report['plain_err_vs_fp32']:.3g})")
     for r in report["results"]:
         cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
                         f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())
         est = r.get("memory_estimate_gib")
         err = r.get("max_abs_err_vs_eager")
+        err32 = r.get("max_abs_err_vs_fp32")
         what = "trace + compile" if r["mode"] == "reduce-overhead" else "build"
         lines.append(f"- {r['setting']}/{r['mode']}: {what} {r['compile_s']:.1f} s; {cap or 'no graphs'}"
                      + (f"; logits vs eager max|d| {err:.3g}" if err is not None else "")
+                     + (f", vs an fp32 copy {err32:.3g}" if err32 is not None else "")
+                     + ("; DRIFT: much further from the fp32 copy than the plain model" if r.get("drifted") else "")
                      + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
     if report.get("trim_host_us_median") is not None:

@@ -211,7 +211,7 @@ def cmd_bench(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0 if all(not r["error"] for r in report["results"]) else 1
+    return 0 if all(not r["error"] and not r.get("drifted") for r in report["results"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
