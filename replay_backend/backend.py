@@ -180,7 +180,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         rsplit, replay_infos = split_at_ops(region.graph, cfg.splitting_ops)
         below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
             if cfg.cudagraph_decoder_replay else main_sizes
-        rlevel = GraphLevel("replay", sorted(set(replay_sizes) | set(below)))
+        rlevel = GraphLevel("replay", [*replay_sizes, *below])  # sorted and deduplicated there
         replay = ReplayRuntime(rsplit, cfg, window, rlevel, replay_sizes, res, dp_group, main_sizes)
 
         def compile_region(trim_args):

@@ -136,6 +136,18 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+def _build(key: str, model, kw: dict, shared: SharedTrace, shared_fwd) -> tuple[StepRunner, float]:
+    """A runner for this backend's mode ``key``, its model built: the shared forward's
+    first call traces once and builds every mode. Returns it and the seconds of its
+    first step (the trace and builds, when it was the first)."""
+    shared.current = key
+    runner = StepRunner(model, forward=shared_fwd, backend=shared.backends[key], **kw)
+    t0 = time.perf_counter()
+    runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)
+    sync()
+    return runner, time.perf_counter() - t0
+
+
 def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, device: str):
     """A runner for ``run``'s mode, compiled and captured. Returns it and, for the first
     of this backend's modes, the seconds of the shared Dynamo trace (else None)."""
@@ -151,15 +163,11 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
         sync()
         run.compile_s = time.perf_counter() - t0
         return runner, None
-    be = shared.backends[key]
-    shared.current = key
-    runner = StepRunner(model, forward=shared_fwd, backend=be, **kw)
     first = not shared.build_s
-    t0 = time.perf_counter()
-    runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)  # the first call traces
-    sync()
-    traced = time.perf_counter() - t0 - sum(shared.build_s.values()) if first else None
+    runner, secs = _build(key, model, kw, shared, shared_fwd)
+    traced = secs - sum(shared.build_s.values()) if first else None
     run.compile_s = shared.build_s[key]
+    be = runner.backend
     if be.config.graphs_enabled:
         if device == "cuda":
             run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
@@ -245,15 +253,9 @@ def compile_only(args) -> dict:
     """Trace and build the default ``replay`` mode once: run it twice in fresh processes
     for cold and warm (Inductor's on-disk caches filled) compile times."""
     model, _ = _model(args)
-    be = ReplayBackend(_backend_config("replay", "default", args))
-    shared = SharedTrace({"replay": be})
-    shared.current = "replay"
-    runner = StepRunner(model, forward=torch.compile(model, backend=shared, fullgraph=True), backend=be,
-                        max_num_seqs=max(args.conc), max_model_len=2 * model.cfg.window,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
-    t0 = time.perf_counter()
-    runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)
-    sync()
-    total = time.perf_counter() - t0
-    return {"preset": args.preset, "compile_s": total, "build_s": shared.build_s["replay"],
-            "trace_s": total - shared.build_s["replay"]}
+    shared = SharedTrace({"replay": ReplayBackend(_backend_config("replay", "default", args))})
+    kw = dict(max_num_seqs=max(args.conc), max_model_len=2 * model.cfg.window,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    _, total = _build("replay", model, kw, shared, torch.compile(model, backend=shared, fullgraph=True))
+    build = shared.build_s["replay"]
+    return {"preset": args.preset, "compile_s": total, "build_s": build, "trace_s": total - build}

@@ -15,6 +15,11 @@ from typing import Callable
 import torch
 
 
+def no_output(*args, **kwargs) -> None:
+    """The fake kernel of an op that returns nothing (it writes into its arguments)."""
+    return None
+
+
 def define_op(qualname: str, schema: str, impl: Callable, fake: Callable, tags: tuple = ()):
     """Define ``namespace::name`` with ``schema`` (its arguments and returns, e.g.
     ``"(Tensor x, Tensor(a!) out) -> ()"``), ``impl`` for every device and ``fake`` for

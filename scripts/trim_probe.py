@@ -53,25 +53,27 @@ def main() -> None:
     runner = StepRunner(model, backend=be, max_num_seqs=2, max_model_len=args.isl + 256)
     runner.capture()
     rep = be.model.replay
-    for i in range(5):
-        runner.prefill({f"w{i}": args.isl})
-        runner.free(f"w{i}")
+
+    def prompts(tag: str, n: int) -> list[float]:
+        """``n`` one-prompt prefills; the region's host time (us) in each."""
+        region = []
+        for i in range(n):
+            runner.prefill({f"{tag}{i}": args.isl})
+            runner.free(f"{tag}{i}")
+            region.append(rep._region_s * 1e6)
+        return region
+
+    prompts("w", 5)
     phases: dict = {}
     _timed(trim_io.TrimIO, "stage", phases)
     _timed(trim_io.TrimIO, "run", phases)  # includes the region
     rep.sync_at_entry = True
     rep.host_us.clear()
-    region_us = []
-    for i in range(args.steps):
-        runner.prefill({f"m{i}": args.isl})
-        runner.free(f"m{i}")
-        region_us.append(rep._region_s * 1e6)
+    region_us = prompts("m", args.steps)
     idle_us, idle_phases = list(rep.host_us), {k: list(v) for k, v in phases.items()}
     rep.sync_at_entry = False
     rep.host_us.clear()
-    for i in range(args.steps):
-        runner.prefill({f"q{i}": args.isl})
-        runner.free(f"q{i}")
+    prompts("q", args.steps)
     queued_us = list(rep.host_us)
     # The graphed path against the same step without graphs: a fast wrong op is no result.
     batch = runner.build_batch([RequestChunk("last", args.isl, args.isl)])
@@ -110,9 +112,7 @@ def main() -> None:
             prof.enable()
     rep.run_region = region_unprofiled
     rep.sync_at_entry = False
-    for i in range(args.steps):
-        runner.prefill({f"p{i}": args.isl})
-        runner.free(f"p{i}")
+    prompts("p", args.steps)
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
     calls = args.steps
     print(f"\ncProfile of the op without its region, us per trimming step (of {calls}):")

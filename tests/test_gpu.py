@@ -165,7 +165,7 @@ def test_fused_sinkhorn_matches_reference():
     assert sinkhorn_triton.supports(logits)
     fused = torch.ops.dsv41.sinkhorn(logits, 20)
     assert max_abs_err(fused, sinkhorn(logits, 20)) < 1e-5
-    ref = build_model(CFG, "cuda", torch.float32)
+    ref = build_model(CFG.replace(sinkhorn_impl="reference"), "cuda", torch.float32)
     fast = build_model(CFG.replace(sinkhorn_impl="fused"), "cuda", torch.float32)
     a, b = StepRunner(fast, max_model_len=512), StepRunner(ref, max_model_len=512)
     reqs = COMPOSITIONS[0]

@@ -17,7 +17,7 @@ import torch
 from .. import torch_compat
 from ..batch import ATTN_BLOCKS, attn_row_blocks, to_device
 from ..forward_context import get_forward_context
-from ..oplib import define_op
+from ..oplib import define_op, no_output
 from . import attention_triton
 
 # Elements of one [heads, rows, keys] score block; bounds temporary memory.
@@ -164,20 +164,16 @@ def _source_attention(q, kv, comp_kv, comp_gate, comp_norm, sink, out, layer: in
     _run_attention(layer, q, kv, sink, out, compress=(comp_kv, comp_gate, comp_norm))
 
 
-def _no_output(*args, **kwargs) -> None:
-    return None
-
-
 _ATTN_SCHEMA = "(Tensor q, Tensor kv, Tensor sink, Tensor(a!) out, int layer) -> ()"
-swa_attention = define_op("dsv41::swa_attention", _ATTN_SCHEMA, _swa_attention, _no_output,
+swa_attention = define_op("dsv41::swa_attention", _ATTN_SCHEMA, _swa_attention, no_output,
                           torch_compat.step_dependent_tags())
-global_attention = define_op("dsv41::global_attention", _ATTN_SCHEMA, _global_attention, _no_output,
+global_attention = define_op("dsv41::global_attention", _ATTN_SCHEMA, _global_attention, no_output,
                              torch_compat.step_dependent_tags())
 source_attention = define_op(
     "dsv41::source_attention",
     "(Tensor q, Tensor kv, Tensor comp_kv, Tensor? comp_gate, Tensor comp_norm, Tensor sink, "
     "Tensor(a!) out, int layer) -> ()",
-    _source_attention, _no_output, torch_compat.step_dependent_tags())
+    _source_attention, no_output, torch_compat.step_dependent_tags())
 
 
 ATTENTION_OPS = (

@@ -19,7 +19,7 @@ from .. import torch_compat
 from ..config import ReplayConfig, padded_size
 from ..counters import counters
 from ..forward_context import get_forward_context
-from ..oplib import define_op
+from ..oplib import define_op, no_output
 from .graphs import GraphLevel, GraphResources
 from .trim_io import TrimIO
 
@@ -43,14 +43,10 @@ def _trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
     runtime(rows, consts, outs)
 
 
-def _trim_fake(rows, consts, outs, region) -> None:
-    return None
-
-
 trim_and_redispatch = define_op(
     "dsv41_replay::trim_and_redispatch",
     "(Tensor[] rows, Tensor[] consts, Tensor(a!)[] outs, int region) -> ()",
-    _trim_and_redispatch, _trim_fake, torch_compat.step_dependent_tags())
+    _trim_and_redispatch, no_output, torch_compat.step_dependent_tags())
 
 
 def dp_agree(needs: bool, rows: int, group) -> tuple[bool, int]:
