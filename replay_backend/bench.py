@@ -38,6 +38,11 @@ MODE_OPTIONS = {
     "replay": {},
 }
 WIDE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+# The check prompt (every mode against the plain model and an fp32 copy) is the
+# shortest ISL up to this many tokens: long enough to trim, while 128K-token check
+# prompts (eager plain model, fp32 copy, every mode) kept the GPU bench from reaching
+# its first measurement within ten minutes.
+CHECK_MAX_TOKENS = 4096
 
 
 @dataclass
@@ -178,6 +183,11 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
     return runner, traced
 
 
+def check_tokens(shapes) -> int:
+    """The check prompt's length for the bench's (isl, conc) points."""
+    return min(min(isl for isl, _ in shapes), CHECK_MAX_TOKENS)
+
+
 def _model(args):
     """The benchmark model: bf16 on CUDA, float32 on the CPU; returns it and its device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -191,11 +201,15 @@ def run_bench(args) -> dict:
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
     plan = _plan(args)
+    check_len = check_tokens(shapes)
+    t0 = time.perf_counter()
     ref_runner = StepRunner(model, **kw)
-    reference = ref_runner.prefill({"check": shapes[0][0]})["check"]
+    reference = ref_runner.prefill({"check": check_len})["check"]
     ref_runner = None
-    exact = fp32_reference(model, shapes[0][0], args.max_num_batched_tokens)
+    exact = fp32_reference(model, check_len, args.max_num_batched_tokens)
     plain_err = max_abs_err(reference.float(), exact) if exact is not None else None
+    print(f"check prompt: {check_len} tokens, plain model and fp32 copy in {time.perf_counter() - t0:.1f} s",
+          flush=True)
     cache = PieceCache()  # identical pieces compile once
     shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache)
                           for m, s in plan if m in MODE_OPTIONS})
@@ -214,7 +228,7 @@ def run_bench(args) -> dict:
             runner, traced = _prepare(run, model, kw, shared, shared_fwd, device)
             trace_s = trace_s if traced is None else traced
             # Same answer as the plain model on one prompt: a fast wrong mode is no result.
-            got = runner.prefill({"check": shapes[0][0]})["check"]
+            got = runner.prefill({"check": check_len})["check"]
             runner.free("check")
             run.max_abs_err_vs_eager = max_abs_err(got, reference)
             if exact is not None:
@@ -222,7 +236,10 @@ def run_bench(args) -> dict:
                 run.drifted = drifted(run.max_abs_err_vs_fp32, plain_err, exact.abs().max().item())
         except Exception as e:  # report the failure of one mode, keep the others
             run.error = f"{type(e).__name__}: {e}"[:500]
+            print(f"{mode}/{setting}: failed: {run.error}", flush=True)
             return None
+        print(f"{mode}/{setting}: ready, check prompt max|d| {run.max_abs_err_vs_eager:.3g} vs the plain model"
+              + (" (DRIFT)" if run.drifted else ""), flush=True)
         return TimedMode(run, runner, shared if mode in MODE_OPTIONS else None)
 
     # This backend's modes (and eager) built and captured first, then timed in turns.
@@ -244,8 +261,9 @@ def run_bench(args) -> dict:
             "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
             "model_options": list(args.model_option or []),
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
+            "trace_s": trace_s, "check_tokens": check_len, "results": [asdict(r) for r in results], "floor_ms": floors,
             "plain_err_vs_fp32": plain_err,
+            "fp32_logit_scale": exact.abs().max().item() if exact is not None else None,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 
 

@@ -44,7 +44,9 @@ def render(report: dict) -> str:
     lines.append("\nbuild (split + compile pieces; the first built compiles, the others reuse "
                  "identical pieces) and capture per mode:")
     if report.get("plain_err_vs_fp32") is not None:
-        lines.append(f"(the plain model's logits vs its fp32 copy: max|d| {report['plain_err_vs_fp32']:.3g})")
+        on = f" on a {report['check_tokens']}-token prompt" if report.get("check_tokens") else ""
+        scale = f", largest |logit| {report['fp32_logit_scale']:.3g}" if report.get("fp32_logit_scale") else ""
+        lines.append(f"(the plain model's logits vs its fp32 copy{on}: max|d| {report['plain_err_vs_fp32']:.3g}{scale})")
     for r in report["results"]:
         cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
                         f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())

@@ -100,6 +100,7 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     assert set(runs[("replay", "default")]["trim_host_us"]) == {"40/2", "100/1", "100/2"}
     assert set(runs[("replay", "wide")]["trim_host_us"]) == {"40/1", "40/2", "100/1", "100/2"}
     assert report["trim_host_us_median"] > 0
+    assert report["check_tokens"] == 40  # the shortest ISL
     # in turns: at each point every mode's timed run m0 comes before any mode's m1
     timed = [(rid, tag) for rid, tag in calls if tag.startswith("m")]
     per_point = len(runs) * args.runs
@@ -108,6 +109,13 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
         assert [tag for _, tag in block] == ["m0"] * len(runs) + ["m1"] * len(runs)
         assert len({rid for rid, _ in block[:len(runs)]}) == len(runs)
     assert "| 100/2 |" in bench.render(report)
+
+
+def test_check_prompt_is_the_shortest_isl_capped():
+    """A 128K-only run checks every mode on a prompt of CHECK_MAX_TOKENS tokens, not 128K
+    (with 128K check prompts the bench spent over nine minutes before building a mode)."""
+    assert bench.check_tokens([(131072, 1)]) == bench.CHECK_MAX_TOKENS
+    assert bench.check_tokens([(8192, 1), (1024, 8)]) == 1024
 
 
 def test_bench_options_may_not_override_what_modes_decide():

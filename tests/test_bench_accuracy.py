@@ -34,7 +34,9 @@ def test_the_report_warns_about_a_drifting_mode():
     run = dict(mode="replay", setting="default", compile_s=1.0, capture={}, ms={}, error=None,
                max_abs_err_vs_eager=1.1, max_abs_err_vs_fp32=1.2, drifted=True)
     report = dict(preset="mini-2k", dtype="torch.bfloat16", device="H200", torch="2.11", runs=10, warmup=1,
-                  max_num_batched_tokens=16384, results=[run], floor_ms={}, plain_err_vs_fp32=0.4)
+                  max_num_batched_tokens=16384, results=[run], floor_ms={}, plain_err_vs_fp32=0.4,
+                  check_tokens=1024, fp32_logit_scale=12.5)
     text = bench_report.render(report)
     assert "WARNING: the logits of default/replay drift" in text
-    assert "vs an fp32 copy 1.2" in text and "its fp32 copy: max|d| 0.4" in text
+    assert "vs an fp32 copy 1.2" in text
+    assert "its fp32 copy on a 1024-token prompt: max|d| 0.4, largest |logit| 12.5" in text
