@@ -54,8 +54,8 @@ class ModeRun:
     memory_estimate_gib: float | None = None
     ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
     # "isl/conc" -> median host time of the trim op per trimming step (without the region
-    # it runs): with the device idle at the op's entry (its own host work), and in the
-    # timed runs (also any wait behind a full launch queue).
+    # it runs): with the device busy and the launch queue empty at the op's entry (its
+    # own host work), and in the timed runs (also any wait behind a full launch queue).
     trim_host_us: dict = field(default_factory=dict)
     trim_host_us_inflight: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
@@ -261,8 +261,8 @@ def run_bench(args) -> dict:
             "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
             "model_options": list(args.model_option or []),
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "trace_s": trace_s, "check_tokens": check_len, "results": [asdict(r) for r in results], "floor_ms": floors,
-            "plain_err_vs_fp32": plain_err,
+            "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
+            "check_tokens": check_len, "plain_err_vs_fp32": plain_err,
             "fp32_logit_scale": exact.abs().max().item() if exact is not None else None,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 

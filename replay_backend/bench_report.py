@@ -46,7 +46,8 @@ def render(report: dict) -> str:
     if report.get("plain_err_vs_fp32") is not None:
         on = f" on a {report['check_tokens']}-token prompt" if report.get("check_tokens") else ""
         scale = f", largest |logit| {report['fp32_logit_scale']:.3g}" if report.get("fp32_logit_scale") else ""
-        lines.append(f"(the plain model's logits vs its fp32 copy{on}: max|d| {report['plain_err_vs_fp32']:.3g}{scale})")
+        err = report["plain_err_vs_fp32"]
+        lines.append(f"(the plain model's logits vs its fp32 copy{on}: max|d| {err:.3g}{scale})")
     for r in report["results"]:
         cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
                         f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())
@@ -61,8 +62,8 @@ def render(report: dict) -> str:
                      + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
     if report.get("trim_host_us_median") is not None:
-        lines.append(f"\ntrim op host time per trimming step, device idle at its entry: median "
-                     f"{report['trim_host_us_median']:.0f} us (in the timed runs, which adds any wait "
+        lines.append("\ntrim op host time per trimming step, device busy and launch queue empty at its "
+                     f"entry: median {report['trim_host_us_median']:.0f} us (in the timed runs, which adds any wait "
                      "behind a full launch queue, in brackets)")
         for r in report["results"]:
             if r.get("trim_host_us"):

@@ -111,6 +111,16 @@ def reduce_overhead_options() -> dict:
     return opts
 
 
+def device_spin(cycles: int = 2_000_000) -> bool:
+    """Queue a kernel that keeps the current CUDA device busy for ``cycles`` of its clock
+    (about a millisecond). False, queuing nothing, where this torch lacks the kernel."""
+    spin = getattr(torch.cuda, "_sleep", None)
+    if spin is None:
+        return False
+    spin(cycles)
+    return True
+
+
 def has_non_owning_alias() -> bool:
     return hasattr(torch._C, "_construct_storage_from_data_pointer")
 

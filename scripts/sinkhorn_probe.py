@@ -71,7 +71,8 @@ def main() -> None:
             stream = torch.randn(t, HC, HIDDEN, device="cuda", dtype=torch.bfloat16)
             if not launch:
                 got, code = run_and_get_code(fn, stream, weight, bias)
-                launch = [ln.strip() for c in code for ln in c.splitlines() if "_sinkhorn_kernel" in ln and ".run(" in ln]
+                launch = [ln.strip() for c in code for ln in c.splitlines()
+                          if "_sinkhorn_kernel" in ln and ".run(" in ln]
             else:
                 got = fn(stream, weight, bias)
             want = reference(stream, weight, bias)

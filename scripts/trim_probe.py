@@ -1,6 +1,7 @@
 """Where the trim op's host time goes (GPU): per-phase host time of trimming steps of
-one prompt at a graphed main size, with the device idle at the op's entry, then the
-op's host time with work queued ahead of it (as in served steps).
+one prompt at a graphed main size, with the device busy and the launch queue empty at
+the op's entry (its own host work), then with the timed steps' work queued ahead of it
+(as in served steps).
 
 usage: python3 scripts/trim_probe.py [--preset tiny] [--layers N] [--isl 1024] [--steps 50]
 
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from replay_backend import torch_compat
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
 from replay_backend.config import ReplayConfig
@@ -67,11 +69,11 @@ def main() -> None:
     phases: dict = {}
     _timed(trim_io.TrimIO, "stage", phases)
     _timed(trim_io.TrimIO, "run", phases)  # includes the region
-    rep.sync_at_entry = True
+    rep.quiet_entry = True
     rep.host_us.clear()
     region_us = prompts("m", args.steps)
-    idle_us, idle_phases = list(rep.host_us), {k: list(v) for k, v in phases.items()}
-    rep.sync_at_entry = False
+    quiet_us, quiet_phases = list(rep.host_us), {k: list(v) for k, v in phases.items()}
+    rep.quiet_entry = False
     rep.host_us.clear()
     prompts("q", args.steps)
     queued_us = list(rep.host_us)
@@ -81,21 +83,22 @@ def main() -> None:
     plain = runner.run(batch, use_graphs=False)
     runner.free("last")
     print(f"logits, graphed trim vs no graphs: max|d| {(last.logits - plain.logits).abs().max().item():.3g}")
-    if not idle_us or not last.trim.trimmed:
+    if not quiet_us or not last.trim.trimmed:
         raise SystemExit(f"--isl {args.isl} gives steps that do not trim ({last.trim}): use one at or above "
                          f"the trim threshold ({be.config.decoder_replay_trim_threshold})")
     print(f"step {last.step}, trim {last.trim}")
-    print(f"trim op host us (no region), median of {len(idle_us)} steps each: device idle at entry "
-          f"{statistics.median(idle_us):.1f}, work queued ahead {statistics.median(queued_us):.1f}")
-    for k, v in idle_phases.items():
-        print(f"  {k} (device idle at entry): median {statistics.median(v):.1f} us over {len(v)}")
+    print(f"trim op host us (no region), median of {len(quiet_us)} steps each: device busy, launch queue "
+          f"empty at entry {statistics.median(quiet_us):.1f}, work queued ahead {statistics.median(queued_us):.1f}")
+    for k, v in quiet_phases.items():
+        print(f"  {k} (device busy, queue empty at entry): median {statistics.median(v):.1f} us over {len(v)}")
     print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")
     prof = cProfile.Profile()
     call = type(rep).__call__
 
     def profiled(self, *a):
-        if cuda:
+        if cuda:  # as quiet_entry: a busy device, an empty launch queue
             torch.cuda.synchronize()
+            torch_compat.device_spin()
         prof.enable()
         try:
             return call(self, *a)
@@ -111,7 +114,6 @@ def main() -> None:
         finally:
             prof.enable()
     rep.run_region = region_unprofiled
-    rep.sync_at_entry = False
     prompts("p", args.steps)
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
     calls = args.steps

@@ -64,7 +64,7 @@ def test_render_has_the_table_shape_and_ratios():
     assert "| ISL/conc | off ms | replay ms | floor ms | replay speed-up vs off | replay / floor |" in text
     assert "| 1024/1 | 100.0 | 25.0 | 20.0 | 4.00x | 1.25 |" in text
     assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB" in text
-    assert "trim op host time per trimming step, device idle at its entry: median 80 us" in text
+    assert "trim op host time per trimming step, device busy and launch queue empty at its entry: median 80 us" in text
     assert "- default/replay: 1024/1: 80 us (95)" in text
 
 

@@ -233,3 +233,17 @@ def test_step_metadata_copies_do_not_wait_for_the_device():
     to_device(torch.arange(100), "cuda")
     assert not pending.query(), "a metadata copy waited for the queued work"
     torch.cuda.synchronize()
+
+
+def test_device_spin_keeps_the_device_busy():
+    """The trim op's quiet entry (its own host time in the bench) relies on the spin
+    still running when the op's first CUDA calls come."""
+    from replay_backend import torch_compat
+
+    torch.cuda.synchronize()
+    assert torch_compat.device_spin()
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query()
+    torch.cuda.synchronize()
+    assert done.query()

@@ -79,9 +79,11 @@ class ReplayRuntime:
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
-        # Measurement only: wait for the device at entry, so that host_us is the op's own
-        # host work and not also time spent blocked behind a full launch queue.
-        self.sync_at_entry = False
+        # Measurement only: at entry, wait for the device, then queue a spin of about a
+        # millisecond. The op's CUDA calls then meet a busy device and an empty launch
+        # queue: neither waits behind a full queue nor the slower first calls on an idle
+        # device, so host_us is the op's own host work.
+        self.quiet_entry = False
         self._region_s = 0.0
 
     def _static_inputs(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -109,8 +111,9 @@ class ReplayRuntime:
             self._region_s += time.perf_counter() - t0
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        if self.sync_at_entry and rows[0].is_cuda:
+        if self.quiet_entry and rows[0].is_cuda:
             torch.cuda.synchronize()
+            torch_compat.device_spin()
         t0 = time.perf_counter()
         self._region_s = 0.0
         ctx = get_forward_context()
