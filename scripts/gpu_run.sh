@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: install without network, GPU tests, then the benchmark.
 # usage: bash scripts/gpu_run.sh OUTDIR [bench args...]
+# env: SKIP_TESTS=1, TEST_TIMEOUT=s, ACCURACY_PROBE="accuracy_probe.py args", PROBE_TIMEOUT=s,
+#      BENCH_TIMEOUT=s, WARM_COMPILE=1 (a second, warm compile-only run)
 set -uo pipefail
 out="${1:?outdir}"; shift
 export PYTHONUNBUFFERED=1
@@ -9,6 +11,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rA -p no:warnings tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+fi
+if [ -n "${ACCURACY_PROBE:-}" ]; then  # e.g. ACCURACY_PROBE="--layers 4,21,40 --isl 1024,4096"
+    # shellcheck disable=SC2086  # the variable holds several arguments
+    timeout "${PROBE_TIMEOUT:-300}" python3 scripts/accuracy_probe.py $ACCURACY_PROBE 2>&1 \
+        | tee "$out/accuracy_probe.log" | grep -v '^ *$' | tail -12
 fi
 if [ "$#" -gt 0 ]; then
     timeout "${BENCH_TIMEOUT:-400}" replay-backend bench --json "$out/bench.json" --out "$out/bench.md" "$@" 2>&1 \
