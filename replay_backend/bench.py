@@ -23,7 +23,7 @@ from . import torch_compat
 from .backend import ReplayBackend
 from .bench_accuracy import drifted, fp32_reference
 from .bench_report import MODES, render  # noqa: F401  (bench.render: the CLI's and tests')
-from .bench_timing import TimedMode, sync, time_points
+from .bench_timing import TimedMode, host_probe, sync, time_points
 from .cli_options import parse_options
 from .compare import max_abs_err
 from .config import ReplayConfig
@@ -244,7 +244,10 @@ def run_bench(args) -> dict:
 
     # This backend's modes (and eager) built and captured first, then timed in turns.
     ours = [m for m in (prepare(*ms) for ms in plan if ms[0] != "reduce-overhead") if m is not None]
+    probes = {"start": host_probe()}
+    print(f"host speed at start: {probes['start']}", flush=True)
     time_points(ours, shapes, deadline, args, device, floors, trim_host_us)
+    probes["end"] = host_probe()
     ours.clear()
     shared.backends.clear()  # their graphs and buffers go before the peer compiles
     _release()
@@ -262,7 +265,7 @@ def run_bench(args) -> dict:
             "model_options": list(args.model_option or []),
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
             "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
-            "check_tokens": check_len, "plain_err_vs_fp32": plain_err,
+            "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": plain_err,
             "fp32_logit_scale": exact.abs().max().item() if exact is not None else None,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 

@@ -39,6 +39,11 @@ def render(report: dict) -> str:
             cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in modes if m != "replay"]
             cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    probes = report.get("host_probe") or {}
+    if probes:
+        lines.append("\nhost speed (small CPU op / tiny CUDA launch, us per call): " + ", ".join(
+            f"{when} {p['cpu_op_us']:.2f} / {_fmt(p.get('cuda_launch_us'), '{:.2f}')}" for when, p in probes.items())
+            + " of the timed points")
     if report.get("trace_s") is not None:
         lines.append(f"\nDynamo trace, once for every mode of this backend: {report['trace_s']:.1f} s")
     lines.append("\nbuild (split + compile pieces; the first built compiles, the others reuse "

@@ -27,6 +27,33 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def host_probe() -> dict:
+    """How fast this process's host is now, as two medians in us: one small CPU tensor
+    op (Python and the dispatcher), and one launch of a tiny CUDA kernel (None without
+    CUDA). Steps without graphs are bound by exactly this work, and their times move
+    between processes (docs/benchmarks.md); taken before and after the timed points,
+    these say whether the host did."""
+    def per_call(op, calls: int = 2000) -> float:
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                op()
+            samples.append((time.perf_counter() - t0) / calls * 1e6)
+        return statistics.median(samples)
+
+    x = torch.zeros(4)
+    out = {"cpu_op_us": per_call(lambda: torch.add(x, 1))}
+    if torch.cuda.is_available():
+        xg = torch.zeros(4, device="cuda")
+        sync()
+        out["cuda_launch_us"] = per_call(lambda: torch.add(xg, 1))
+        sync()
+    else:
+        out["cuda_launch_us"] = None
+    return out
+
+
 def ttft(runner: StepRunner, isl: int, conc: int, tag: str) -> float:
     prompts = {f"{tag}-{i}": isl for i in range(conc)}
     sync()

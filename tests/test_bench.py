@@ -101,6 +101,9 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     assert set(runs[("replay", "wide")]["trim_host_us"]) == {"40/1", "40/2", "100/1", "100/2"}
     assert report["trim_host_us_median"] > 0
     assert report["check_tokens"] == 40  # the shortest ISL
+    for when in ("start", "end"):  # host speed around the timed points; no CUDA here
+        assert report["host_probe"][when]["cpu_op_us"] > 0
+        assert report["host_probe"][when]["cuda_launch_us"] is None
     # in turns: at each point every mode's timed run m0 comes before any mode's m1
     timed = [(rid, tag) for rid, tag in calls if tag.startswith("m")]
     per_point = len(runs) * args.runs
@@ -108,7 +111,9 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
         block = timed[p * per_point:(p + 1) * per_point]
         assert [tag for _, tag in block] == ["m0"] * len(runs) + ["m1"] * len(runs)
         assert len({rid for rid, _ in block[:len(runs)]}) == len(runs)
-    assert "| 100/2 |" in bench.render(report)
+    text = bench.render(report)
+    assert "| 100/2 |" in text
+    assert "host speed (small CPU op / tiny CUDA launch, us per call): start " in text
 
 
 def test_check_prompt_is_the_shortest_isl_capped():
