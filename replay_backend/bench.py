@@ -208,6 +208,7 @@ def run_bench(args) -> dict:
     ref_runner = None
     exact = fp32_reference(model, check_len, args.max_num_batched_tokens)
     plain_err = max_abs_err(reference.float(), exact) if exact is not None else None
+    scale = exact.abs().max().item() if exact is not None else None  # the fp32 logits' largest
     print(f"check prompt: {check_len} tokens, plain model and fp32 copy in {time.perf_counter() - t0:.1f} s",
           flush=True)
     cache = PieceCache()  # identical pieces compile once
@@ -233,7 +234,7 @@ def run_bench(args) -> dict:
             run.max_abs_err_vs_eager = max_abs_err(got, reference)
             if exact is not None:
                 run.max_abs_err_vs_fp32 = max_abs_err(got.float(), exact)
-                run.drifted = drifted(run.max_abs_err_vs_fp32, plain_err, exact.abs().max().item())
+                run.drifted = drifted(run.max_abs_err_vs_fp32, plain_err, scale)
         except Exception as e:  # report the failure of one mode, keep the others
             run.error = f"{type(e).__name__}: {e}"[:500]
             print(f"{mode}/{setting}: failed: {run.error}", flush=True)
@@ -266,7 +267,7 @@ def run_bench(args) -> dict:
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
             "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
             "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": plain_err,
-            "fp32_logit_scale": exact.abs().max().item() if exact is not None else None,
+            "fp32_logit_scale": scale,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 
 

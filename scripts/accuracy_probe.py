@@ -20,6 +20,7 @@ import torch
 from replay_backend.backend import ReplayBackend
 from replay_backend.bench_accuracy import fp32_reference
 from replay_backend.cli_options import parse_options
+from replay_backend.compare import max_abs_err
 from replay_backend.config import ReplayConfig
 from replay_backend.models import build_model, preset
 from replay_backend.runner import StepRunner
@@ -28,8 +29,8 @@ CHECK = "check"  # the request id fp32_reference prefills (a prompt's tokens fol
 
 
 def distances(got: torch.Tensor, want: torch.Tensor) -> str:
-    d = got.float() - want
-    return f"max|d| {d.abs().max().item():.3g}, rel L2 {(d.norm() / want.norm()).item():.3g}"
+    rel = ((got.float() - want).norm() / want.norm()).item()
+    return f"max|d| {max_abs_err(got, want):.3g}, rel L2 {rel:.3g}"
 
 
 def main() -> None:
@@ -42,14 +43,14 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.bfloat16)
+    device = "cuda" if cuda else "cpu"
     isls = [int(x) for x in args.isl.split(",")]
     base = preset(args.preset, **parse_options(args.model_option, "--model-option"))
     sources = base.kv_source_layer_ids
     for layers in (int(x) for x in args.layers.split(",")):
         # keep the sources that fit, at least the first: the cut model still has replay layers
         cfg = base.with_layers(layers, tuple(s for s in sources if s < layers - 1) or sources[:1])
-        model = build_model(cfg, device, dtype)
+        model = build_model(cfg, device, torch.bfloat16)
         kw = dict(max_num_seqs=1, max_model_len=max(isls) + 2,
                   max_num_batched_tokens=args.max_num_batched_tokens)
         backend = ReplayBackend(ReplayConfig.from_options({
@@ -65,7 +66,7 @@ def main() -> None:
                 runner.free(CHECK)
             print(f"{cfg.name} {layers} layers, {isl} tokens (largest |logit| {exact.abs().max().item():.3g}): "
                   f"plain {distances(out['plain'], exact)}; compiled {distances(out['compiled'], exact)}; "
-                  f"compiled vs plain max|d| {(out['compiled'] - out['plain']).float().abs().max().item():.3g} "
+                  f"compiled vs plain max|d| {max_abs_err(out['compiled'], out['plain']):.3g} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del model, plain, compiled, backend
         if cuda:

@@ -97,8 +97,7 @@ def main() -> None:
 
     def profiled(self, *a):
         if cuda:  # as quiet_entry: a busy device, an empty launch queue
-            torch.cuda.synchronize()
-            torch_compat.device_spin()
+            torch_compat.quiet_device()
         prof.enable()
         try:
             return call(self, *a)

@@ -59,11 +59,10 @@ def sinkhorn_fused(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
     Opaque to Inductor on purpose. As a ``triton_op`` (Inductor launches the kernel
     itself, no dispatch into Python) every compiled bf16 mode drifted from the plain
-    model (max |d| of the logits 1.10 instead of 0.51, docs/benchmarks.md run 6). The
-    likely cause, not yet confirmed on the GPU: the kernel takes the row stride of its
-    strided input as a number fixed at trace time, while Inductor keeps only an input's
-    stride order and may hand over a dense copy. ``tests/test_gpu.py`` checks the op
-    under Inductor with the model's layout."""
+    model (max |d| of the logits 1.10 instead of 0.51, docs/benchmarks.md run 6), for a
+    cause not found: in isolation it read its strided input correctly under Inductor
+    and saved no host time (``scripts/sinkhorn_probe.py``). ``tests/test_gpu.py``
+    checks this op under Inductor with the model's layout."""
     if logits.is_cuda and sinkhorn_triton.available() and sinkhorn_triton.supports(logits):
         return sinkhorn_triton.sinkhorn(logits, iters)
     return sinkhorn(logits.float(), iters)

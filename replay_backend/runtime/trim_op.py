@@ -112,8 +112,7 @@ class ReplayRuntime:
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         if self.quiet_entry and rows[0].is_cuda:
-            torch.cuda.synchronize()
-            if not torch_compat.device_spin():
+            if not torch_compat.quiet_device():
                 self.res.fallback("quiet_entry_spin", "this torch has no torch.cuda._sleep: the trim op's "
                                   "own host time is measured with the device idle at its entry")
         t0 = time.perf_counter()
