@@ -21,7 +21,7 @@ import torch
 
 from . import torch_compat
 from .backend import ReplayBackend
-from .bench_accuracy import drifted, fp32_reference
+from .bench_accuracy import CHECK, yardstick
 from .bench_report import MODES, render  # noqa: F401  (bench.render: the CLI's and tests')
 from .bench_timing import TimedMode, host_probe, sync, time_points
 from .cli_options import parse_options
@@ -59,8 +59,8 @@ class ModeRun:
     trim_host_us: dict = field(default_factory=dict)
     trim_host_us_inflight: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
-    max_abs_err_vs_fp32: float | None = None  # the same vs an fp32 copy of a 16-bit model
-    drifted: bool = False  # much further from the fp32 copy than the plain model (bench_accuracy)
+    rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
+    drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (bench_accuracy)
     error: str | None = None
 
 
@@ -203,14 +203,11 @@ def run_bench(args) -> dict:
     plan = _plan(args)
     check_len = check_tokens(shapes)
     t0 = time.perf_counter()
-    ref_runner = StepRunner(model, **kw)
-    reference = ref_runner.prefill({"check": check_len})["check"]
-    ref_runner = None
-    exact = fp32_reference(model, check_len, args.max_num_batched_tokens)
-    plain_err = max_abs_err(reference.float(), exact) if exact is not None else None
-    scale = exact.abs().max().item() if exact is not None else None  # the fp32 logits' largest
-    print(f"check prompt: {check_len} tokens, plain model and fp32 copy in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    reference = StepRunner(model, **kw).prefill({CHECK: check_len})[CHECK]
+    gate = yardstick(model, reference, check_len, args.max_num_batched_tokens)
+    print(f"check prompt: {check_len} tokens, plain model and fp32 copies in {time.perf_counter() - t0:.1f} s; "
+          f"rel L2 to the fp32 copy: plain {gate.plain_err:.3g}, rounding noise {gate.noise_err:.3g}, "
+          f"a mode drifts above {gate.limit:.3g}", flush=True)
     cache = PieceCache()  # identical pieces compile once
     shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache)
                           for m, s in plan if m in MODE_OPTIONS})
@@ -229,18 +226,17 @@ def run_bench(args) -> dict:
             runner, traced = _prepare(run, model, kw, shared, shared_fwd, device)
             trace_s = trace_s if traced is None else traced
             # Same answer as the plain model on one prompt: a fast wrong mode is no result.
-            got = runner.prefill({"check": check_len})["check"]
-            runner.free("check")
+            got = runner.prefill({CHECK: check_len})[CHECK]
+            runner.free(CHECK)
             run.max_abs_err_vs_eager = max_abs_err(got, reference)
-            if exact is not None:
-                run.max_abs_err_vs_fp32 = max_abs_err(got.float(), exact)
-                run.drifted = drifted(run.max_abs_err_vs_fp32, plain_err, scale)
+            run.rel_err_vs_fp32 = gate.error(got)
+            run.drifted = gate.drifted(run.rel_err_vs_fp32)
         except Exception as e:  # report the failure of one mode, keep the others
             run.error = f"{type(e).__name__}: {e}"[:500]
             print(f"{mode}/{setting}: failed: {run.error}", flush=True)
             return None
-        print(f"{mode}/{setting}: ready, check prompt max|d| {run.max_abs_err_vs_eager:.3g} vs the plain model"
-              + (" (DRIFT)" if run.drifted else ""), flush=True)
+        print(f"{mode}/{setting}: ready, check prompt max|d| {run.max_abs_err_vs_eager:.3g} vs the plain model, "
+              f"rel L2 {run.rel_err_vs_fp32:.3g} vs the fp32 copy" + (" (DRIFT)" if run.drifted else ""), flush=True)
         return TimedMode(run, runner, shared if mode in MODE_OPTIONS else None)
 
     # This backend's modes (and eager) built and captured first, then timed in turns.
@@ -266,8 +262,8 @@ def run_bench(args) -> dict:
             "model_options": list(args.model_option or []),
             "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
             "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
-            "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": plain_err,
-            "fp32_logit_scale": scale,
+            "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": gate.plain_err,
+            "noise_err_vs_fp32": gate.noise_err, "drift_limit": gate.limit,
             "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
 
 

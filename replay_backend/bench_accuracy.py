@@ -1,40 +1,90 @@
 """The benchmark's accuracy gate: every mode's logits against an fp32 yardstick.
 
-Each mode's last-row logits for one prompt are compared with the plain model's, but in
-bf16 that distance alone does not say whether a mode is right: compiled pieces round
-differently, and a piece that reads a wrong layout still gives plausible numbers (a
-Sinkhorn fed the wrong rows stays doubly stochastic). So the bench also runs the prompt
-through an fp32 copy of the model (the same weights, upcast) and flags a mode whose
-distance to it is well above the plain 16-bit model's own.
+A mode's last-row logits for one prompt are compared with those of an fp32 copy of
+the model (the same weights, upcast), by relative L2 distance. What distance still
+means "right" depends on the model's depth: mini-2k's 40 layers of top-k MoE routing
+amplify rounding (a routing choice that flips moves the rows after it), so on the
+H200 at 4,096 tokens the plain bf16 model was 0.04 from its fp32 copy, a correct
+compiled one 0.21, and the fp32 copy with only its embedding nudged by a quarter
+of a bf16 step 0.11 (``scripts/accuracy_probe.py``; the compiled fp32 model is 2e-4
+from the plain fp32 one). One prompt's distance is one draw from that spread.
+
+So the gate measures the spread on the same prompt: the rounding-noise band is the
+larger of the plain model's distance and that of fp32 copies whose embedding is
+nudged by half a step of the model's dtype (two seeds). A mode is flagged when it is
+``DRIFT_FACTOR`` times further than the band (plus ``REL_FLOOR``). That catches a
+piece that reads a wrong layout or wrong rows, which decorrelates the logits; it
+cannot see an error smaller than the model's own rounding noise, which the fp32
+tests (``tests/test_gpu.py``) bound instead.
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
+from .compare import rel_l2
 from .runner import StepRunner
 
-# A mode may be this many times further from the fp32 copy than the plain model is.
-DRIFT_FACTOR = 2.0
+DRIFT_FACTOR = 3.0
+# Below this relative distance logits agree in any dtype (fp32 reassociation at depth).
+REL_FLOOR = 1e-3
+NUDGE_SEEDS = (0, 1)
+CHECK = "check"  # the request id of the check prompt (its tokens follow from the id)
 
 
-def fp32_reference(model, prompt_len: int, max_num_batched_tokens: int) -> torch.Tensor | None:
-    """Last-row logits of a ``prompt_len``-token prompt from an fp32 copy of a 16-bit
-    ``model``; None when the model is fp32 already (its plain run is the yardstick)."""
-    if next(model.parameters()).dtype == torch.float32:
-        return None
+def nudge_size(dtype: torch.dtype) -> float:
+    """The relative nudge standing for one rounding in ``dtype``: half a step for a
+    16-bit type (exact in the fp32 copy); a whole step for fp32, where half a step
+    would round back to the weight itself."""
+    eps = torch.finfo(dtype).eps
+    return eps if dtype == torch.float32 else eps / 2
+
+
+def fp32_copy(model, nudge_seed: int | None = None, nudge: float = 0.0):
+    """An fp32 copy of ``model``; with a seed, its embedding rows are scaled by
+    ``1 ± nudge`` (a random sign per entry)."""
     exact = copy.deepcopy(model).float()
-    runner = StepRunner(exact, max_num_seqs=1, max_model_len=max(prompt_len, model.cfg.window) + 2,
+    if nudge_seed is not None:
+        gen = torch.Generator().manual_seed(nudge_seed)
+        sign = torch.randint(0, 2, exact.embed.shape, generator=gen).float().mul_(2).sub_(1)
+        with torch.no_grad():
+            exact.embed.mul_(sign.mul_(nudge).add_(1).to(exact.embed.device))
+    return exact
+
+
+def last_logits(model, prompt_len: int, max_num_batched_tokens: int) -> torch.Tensor:
+    """Last-row fp32 logits of the ``prompt_len``-token check prompt from a plain run."""
+    runner = StepRunner(model, max_num_seqs=1, max_model_len=max(prompt_len, model.cfg.window) + 2,
                         max_num_batched_tokens=max_num_batched_tokens)
-    logits = runner.prefill({"check": prompt_len})["check"].float()
-    del runner, exact
+    return runner.prefill({CHECK: prompt_len})[CHECK].float()
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    exact: torch.Tensor  # the fp32 copy's last-row logits of the check prompt
+    plain_err: float  # relative L2 of the plain model's logits to ``exact`` (0 in fp32)
+    noise_err: float  # the largest relative L2 of the nudged fp32 copies' logits
+
+    @property
+    def limit(self) -> float:
+        return DRIFT_FACTOR * max(self.plain_err, self.noise_err) + REL_FLOOR
+
+    def error(self, got: torch.Tensor) -> float:
+        return rel_l2(got, self.exact)
+
+    def drifted(self, err: float) -> bool:
+        return err > self.limit
+
+
+def yardstick(model, plain: torch.Tensor, prompt_len: int, max_num_batched_tokens: int) -> Yardstick:
+    """The gate for ``model`` on the check prompt, given the plain model's logits."""
+    dtype = next(model.parameters()).dtype
+    exact = plain.float() if dtype == torch.float32 else \
+        last_logits(fp32_copy(model), prompt_len, max_num_batched_tokens)
+    noise = max(rel_l2(last_logits(fp32_copy(model, seed, nudge_size(dtype)), prompt_len,
+                                   max_num_batched_tokens), exact) for seed in NUDGE_SEEDS)
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return logits
-
-
-def drifted(err: float, plain_err: float, scale: float) -> bool:
-    """True when a mode's distance to the fp32 copy (``err``) exceeds ``DRIFT_FACTOR``
-    times the plain model's (``plain_err``), with a floor of 1e-3 of the logits' scale."""
-    return err > DRIFT_FACTOR * plain_err + 1e-3 * scale
+        torch.cuda.empty_cache()  # the copies' memory goes back before the modes build
+    return Yardstick(exact, rel_l2(plain, exact), noise)

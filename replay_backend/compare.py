@@ -32,6 +32,12 @@ def max_abs_err(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x.float() - y.float()).abs().max().item()
 
 
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, in fp32."""
+    want = want.float()
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
 def default_tolerance(dtype: torch.dtype) -> float:
     """Absolute tolerance for compiled-vs-oracle comparisons (float reassociation only)."""
     return {torch.float32: 1e-3, torch.float64: 1e-8}.get(dtype, 5e-2)

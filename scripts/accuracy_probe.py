@@ -1,56 +1,35 @@
 """How far a 16-bit model is from its fp32 copy, plain and compiled (CPU or GPU).
 
-For each layer count and prompt length: the last-row logits of the plain 16-bit model,
-of the same model compiled by this backend (``off`` mode: compiled pieces, no graphs,
-no trimming) and of an fp32 copy (the same weights, upcast); the max |d| and the
-relative L2 distance of each to the fp32 copy. A compiled model much further from the
-fp32 copy than the plain one, growing with depth, points at a compiled piece rather
-than at 16-bit rounding.
+For each layer count and prompt length: the last-row logits of the plain 16-bit model
+and of the same model compiled by this backend (``off`` mode: compiled pieces, no
+graphs, no trimming), as relative L2 distances to those of an fp32 copy (the same
+weights, upcast). A compiled model much further from the fp32 copy than the plain one,
+growing with depth, points at a compiled piece rather than at 16-bit rounding.
 
-Two controls tell rounding from a wrong piece. ``--dtype float32`` compiles the fp32
-model itself and compares it with its plain run, where rounding noise is ~1e-6 and a
-piece that reads a wrong layout stands out at any depth. ``--sensitivity`` also runs the
-fp32 copy with its embedding table nudged by half a bf16 step (relative 2^-9, random
-sign): how far one rounding at the input moves the logits after the model's depth
-(routing flips in the MoE layers amplify it).
+Each line also gives the bench gate's rounding-noise band (``bench_accuracy``): fp32
+copies whose embedding is nudged by half a step of the model's dtype, i.e. how far one
+rounding at the input moves the logits after the model's depth. ``--dtype float32``
+compiles the fp32 model itself and compares it with its plain run, where rounding noise
+is ~1e-6 and a piece that reads a wrong layout stands out at any depth.
 
 usage: python3 scripts/accuracy_probe.py [--layers 4,40] [--isl 1024,4096]
            [--model-option num_experts=4 ...] [--compiler inductor]
-           [--dtype float32] [--sensitivity]
+           [--dtype float32]
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import torch
 
 from replay_backend.backend import ReplayBackend
-from replay_backend.bench_accuracy import fp32_reference
+from replay_backend.bench_accuracy import CHECK, yardstick
 from replay_backend.cli_options import parse_options
 from replay_backend.compare import max_abs_err
 from replay_backend.config import ReplayConfig
 from replay_backend.models import build_model, preset
 from replay_backend.runner import StepRunner
-
-CHECK = "check"  # the request id fp32_reference prefills (a prompt's tokens follow its id)
-
-
-def distances(got: torch.Tensor, want: torch.Tensor) -> str:
-    rel = ((got.float() - want).norm() / want.norm()).item()
-    return f"max|d| {max_abs_err(got, want):.3g}, rel L2 {rel:.3g}"
-
-
-def nudged_copy(model) -> torch.nn.Module:
-    """An fp32 copy of ``model`` whose embedding rows are off by half a bf16 step."""
-    nudged = copy.deepcopy(model).float()
-    gen = torch.Generator().manual_seed(0)
-    sign = torch.randint(0, 2, nudged.embed.shape, generator=gen).float().mul_(2).sub_(1)
-    with torch.no_grad():
-        nudged.embed.mul_(1 + 2.0 ** -9 * sign.to(nudged.embed.device))
-    return nudged
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -61,7 +40,6 @@ def main() -> None:
     ap.add_argument("--compiler", default="inductor")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--sensitivity", action="store_true", help="also an fp32 copy with a nudged embedding")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -77,24 +55,21 @@ def main() -> None:
         backend = ReplayBackend(ReplayConfig.from_options({
             "compiler": args.compiler, "cudagraph_mode": "none", "decoder_replay": False,
             "max_num_batched_tokens": args.max_num_batched_tokens}))
-        runners = {"plain": StepRunner(model, **kw), "compiled": StepRunner(model, backend=backend, **kw)}
-        if args.sensitivity:
-            runners["nudged fp32"] = StepRunner(nudged_copy(model), **kw)
+        plain, compiled = StepRunner(model, **kw), StepRunner(model, backend=backend, **kw)
         for isl in isls:
             t0 = time.perf_counter()
-            out = {}
-            for name, runner in runners.items():
-                out[name] = runner.prefill({CHECK: isl})[CHECK].float()
+            out = []
+            for runner in (plain, compiled):
+                out.append(runner.prefill({CHECK: isl})[CHECK].float())
                 runner.free(CHECK)
-            # an fp32 model is its own yardstick: its plain run
-            exact = fp32_reference(model, isl, args.max_num_batched_tokens)
-            exact = out["plain"] if exact is None else exact
-            others = "; ".join(f"{name} {distances(got, exact)}" for name, got in out.items())
-            print(f"{cfg.name} {args.dtype} {layers} layers, {isl} tokens "
-                  f"(largest fp32 |logit| {exact.abs().max().item():.3g}) vs fp32: {others}; "
-                  f"compiled vs plain max|d| {max_abs_err(out['compiled'], out['plain']):.3g} "
+            gate = yardstick(model, out[0], isl, args.max_num_batched_tokens)
+            err = gate.error(out[1])
+            print(f"{cfg.name} {args.dtype} {layers} layers, {isl} tokens, rel L2 to the fp32 copy: "
+                  f"plain {gate.plain_err:.3g}, nudged fp32 {gate.noise_err:.3g}, compiled {err:.3g}"
+                  f"{' (DRIFT: above ' + format(gate.limit, '.3g') + ')' if gate.drifted(err) else ''}; "
+                  f"compiled vs plain max|d| {max_abs_err(out[1], out[0]):.3g} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        del model, runners, backend
+        del model, plain, compiled, backend
         if cuda:
             torch.cuda.empty_cache()
 
