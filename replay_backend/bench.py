@@ -53,11 +53,9 @@ class ModeRun:
     capture: dict = field(default_factory=dict)
     memory_estimate_gib: float | None = None
     ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
-    # "isl/conc" -> median host time of the trim op per trimming step (without the region
-    # it runs): with the device busy and the launch queue empty at the op's entry (its
-    # own host work), and in the timed runs (also any wait behind a full launch queue).
+    # "isl/conc" -> median host time of the trim op per trimming step of the timed runs,
+    # without the region it runs (wall time: it holds any wait inside its CUDA calls)
     trim_host_us: dict = field(default_factory=dict)
-    trim_host_us_inflight: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
     rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
     drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (bench_accuracy)

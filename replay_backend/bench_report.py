@@ -66,13 +66,10 @@ def render(report: dict) -> str:
                      + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
     if report.get("trim_host_us_median") is not None:
-        lines.append("\ntrim op host time per trimming step, device busy and launch queue empty at its "
-                     f"entry: median {report['trim_host_us_median']:.0f} us (in the timed runs, which adds any wait "
-                     "behind a full launch queue, in brackets)")
+        lines.append("\ntrim op host time per trimming step of the timed runs (the op without the region "
+                     f"it runs): median {report['trim_host_us_median']:.0f} us")
         for r in report["results"]:
             if r.get("trim_host_us"):
-                inflight = r.get("trim_host_us_inflight") or {}
                 lines.append(f"- {r['setting']}/{r['mode']}: " + ", ".join(
-                    f"{k}: {v:.0f} us" + (f" ({inflight[k]:.0f})" if k in inflight else "")
-                    for k, v in r["trim_host_us"].items()))
+                    f"{k}: {v:.0f} us" for k, v in r["trim_host_us"].items()))
     return "\n".join(lines)

@@ -136,14 +136,6 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
         m.run.ms[point] = statistics.median(times[id(m)])
         rep = reps.get(id(m))
         if rep is not None and rep.host_us:
-            m.run.trim_host_us_inflight[point] = statistics.median(rep.host_us)
-            rep.host_us.clear()
-            rep.quiet_entry = True
-            try:
-                for k in range(min(args.runs, 5)):
-                    m.ttft(isl, conc, f"h{k}")
-            finally:
-                rep.quiet_entry = False
             trim_host_us.extend(rep.host_us)
             m.run.trim_host_us[point] = statistics.median(rep.host_us)
         if args.profile_out and point in args.profile_points:

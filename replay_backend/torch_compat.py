@@ -111,19 +111,6 @@ def reduce_overhead_options() -> dict:
     return opts
 
 
-def quiet_device(cycles: int = 2_000_000) -> bool:
-    """Wait for the current CUDA device, then queue a kernel that keeps it busy for
-    ``cycles`` of its clock (about a millisecond): CUDA calls made next meet a busy
-    device and an empty launch queue. False, having only waited, where this torch lacks
-    the spin kernel."""
-    torch.cuda.synchronize()
-    spin = getattr(torch.cuda, "_sleep", None)
-    if spin is None:
-        return False
-    spin(cycles)
-    return True
-
-
 def has_non_owning_alias() -> bool:
     return hasattr(torch._C, "_construct_storage_from_data_pointer")
 

@@ -1,12 +1,14 @@
-"""Where the trim op's host time goes (GPU): per-phase host time of trimming steps of
-one prompt at a graphed main size, with the device busy and the launch queue empty at
-the op's entry (its own host work), then with the timed steps' work queued ahead of it
-(as in served steps).
+"""Where the trim op's host time goes (GPU): host time per phase of the trimming steps
+of one prompt after another, as in served steps, then a cProfile of the op without its
+region.
 
 usage: python3 scripts/trim_probe.py [--preset tiny] [--layers N] [--isl 1024] [--steps 50]
 
-``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to compile; the
-trim op's host work does not depend on the layer count).
+The main sizes captured are 512 and 1024: ``--isl 1024`` takes the graphed path (the
+gathers and scatter as graphs, trim_io.py), ``--isl 2048`` the path of steps whose main
+layers run without graphs (a gather per row tensor, then a fill and a scatter of the
+output). ``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to
+compile; the trim op's host work does not depend on the layer count).
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import time
 
 import torch
 
-from replay_backend import torch_compat
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
 from replay_backend.config import ReplayConfig
@@ -69,35 +70,27 @@ def main() -> None:
     phases: dict = {}
     _timed(trim_io.TrimIO, "stage", phases)
     _timed(trim_io.TrimIO, "run", phases)  # includes the region
-    rep.quiet_entry = True
     rep.host_us.clear()
     region_us = prompts("m", args.steps)
-    quiet_us, quiet_phases = list(rep.host_us), {k: list(v) for k, v in phases.items()}
-    rep.quiet_entry = False
-    rep.host_us.clear()
-    prompts("q", args.steps)
-    queued_us = list(rep.host_us)
+    op_us = list(rep.host_us)
     # The graphed path against the same step without graphs: a fast wrong op is no result.
     batch = runner.build_batch([RequestChunk("last", args.isl, args.isl)])
     last = runner.run(batch)
     plain = runner.run(batch, use_graphs=False)
     runner.free("last")
     print(f"logits, graphed trim vs no graphs: max|d| {(last.logits - plain.logits).abs().max().item():.3g}")
-    if not quiet_us or not last.trim.trimmed:
+    if not op_us or not last.trim.trimmed:
         raise SystemExit(f"--isl {args.isl} gives steps that do not trim ({last.trim}): use one at or above "
                          f"the trim threshold ({be.config.decoder_replay_trim_threshold})")
     print(f"step {last.step}, trim {last.trim}")
-    print(f"trim op host us (no region), median of {len(quiet_us)} steps each: device busy, launch queue "
-          f"empty at entry {statistics.median(quiet_us):.1f}, work queued ahead {statistics.median(queued_us):.1f}")
-    for k, v in quiet_phases.items():
-        print(f"  {k} (device busy, queue empty at entry): median {statistics.median(v):.1f} us over {len(v)}")
+    print(f"trim op host us (no region), median of {len(op_us)} steps: {statistics.median(op_us):.1f}")
+    for k, v in phases.items():
+        print(f"  {k}: median {statistics.median(v):.1f} us over {len(v)}")
     print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")
     prof = cProfile.Profile()
     call = type(rep).__call__
 
     def profiled(self, *a):
-        if cuda:  # as quiet_entry: a busy device, an empty launch queue
-            torch_compat.quiet_device()
         prof.enable()
         try:
             return call(self, *a)

@@ -234,15 +234,3 @@ def test_step_metadata_copies_do_not_wait_for_the_device():
     assert not pending.query(), "a metadata copy waited for the queued work"
     torch.cuda.synchronize()
 
-
-def test_quiet_device_leaves_the_device_busy():
-    """The trim op's quiet entry (its own host time in the bench) relies on the spin
-    still running when the op's first CUDA calls come."""
-    from replay_backend import torch_compat
-
-    assert torch_compat.quiet_device()
-    done = torch.cuda.Event()
-    done.record()
-    assert not done.query()
-    torch.cuda.synchronize()
-    assert done.query()

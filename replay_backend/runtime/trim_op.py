@@ -79,11 +79,6 @@ class ReplayRuntime:
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
-        # Measurement only: at entry, wait for the device, then queue a spin of about a
-        # millisecond. The op's CUDA calls then meet a busy device and an empty launch
-        # queue: neither waits behind a full queue nor the slower first calls on an idle
-        # device, so host_us is the op's own host work.
-        self.quiet_entry = False
         self._region_s = 0.0
 
     def _static_inputs(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -111,10 +106,6 @@ class ReplayRuntime:
             self._region_s += time.perf_counter() - t0
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        if self.quiet_entry and rows[0].is_cuda:
-            if not torch_compat.quiet_device():
-                self.res.fallback("quiet_entry_spin", "this torch has no torch.cuda._sleep: the trim op's "
-                                  "own host time is measured with the device idle at its entry")
         t0 = time.perf_counter()
         self._region_s = 0.0
         ctx = get_forward_context()
