@@ -57,12 +57,10 @@ def sinkhorn_fused(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """:func:`sinkhorn` as one op: one Triton kernel where it can run, else the
     reference. Row-local (each token's matrix alone), no host sync.
 
-    Opaque to Inductor on purpose. As a ``triton_op`` (Inductor launches the kernel
-    itself, no dispatch into Python) every compiled bf16 mode drifted from the plain
-    model (max |d| of the logits 1.10 instead of 0.51, docs/benchmarks.md run 6), for a
-    cause not found: in isolation it read its strided input correctly under Inductor
-    and saved no host time (``scripts/sinkhorn_probe.py``). ``tests/test_gpu.py``
-    checks this op under Inductor with the model's layout."""
+    Opaque to Inductor: as a ``triton_op`` (Inductor launches the kernel itself, no
+    dispatch into Python) it read its strided input correctly but saved no host time
+    (``scripts/sinkhorn_probe.py``). ``tests/test_gpu.py`` checks this op under
+    Inductor with the model's layout."""
     if logits.is_cuda and sinkhorn_triton.available() and sinkhorn_triton.supports(logits):
         return sinkhorn_triton.sinkhorn(logits, iters)
     return sinkhorn(logits.float(), iters)
