@@ -63,7 +63,7 @@ class AttnView:
 class ReplayBatch:
     """The rows the replay layers need (SPEC §4), as indices into the step's batch."""
 
-    rows: tuple[int, ...]
+    rows: tuple[int, ...]  # ascending and unique (the trim op's scatter searches them)
     rows_t: torch.Tensor  # [num_rows] int64 on the model's device
     # [1 + num_rows]: the row count, then ``rows_t`` (a view of the same memory), so the
     # trim op stages its index data with one device copy.

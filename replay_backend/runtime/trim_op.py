@@ -21,6 +21,7 @@ from ..counters import counters
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from .graphs import GraphLevel, GraphResources
+from .row_moves import RowMoves
 from .trim_io import TrimIO
 
 
@@ -73,6 +74,7 @@ class ReplayRuntime:
         self.trim_main_sizes = sorted(s for s in main_sizes or [] if s >= cfg.decoder_replay_trim_threshold) \
             if cfg.cudagraph_decoder_replay and cfg.trim_io_graphs and replay_sizes else []
         self.io: TrimIO | None = None
+        self.moves = RowMoves(res.fallback)  # gathers and scatter without trim I/O graphs
         self.buffers: list[torch.Tensor] | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
@@ -146,17 +148,16 @@ class ReplayRuntime:
                 res = self.run_region(inputs, consts, None)
             else:
                 bufs = self._sliced(rows, size)
-                for b, x in zip(bufs, rows):
-                    if trim:
-                        torch.index_select(x, 0, rep.rows_t, out=b[:n])
-                    else:
+                if trim:
+                    self.moves.gather(rows, bufs, rep.rows_t)
+                else:
+                    for b, x in zip(bufs, rows):
                         b.copy_(x[:size])
                 res = self.run_region(bufs, consts, size)
-        for o, r in zip(outs, res or ()):
-            if trim:
-                o.zero_()  # trimmed rows: zeros nobody reads, never stale data
-                o.index_copy_(0, rep.rows_t, r[:n])
-            else:
+        if res is not None and trim:
+            self.moves.scatter(res, outs, rep.rows_t)
+        elif res is not None:
+            for o, r in zip(outs, res):
                 o.copy_(r[:o.shape[0]])
         counters.trims += int(trim)
         counters.untrimmed += int(not trim)

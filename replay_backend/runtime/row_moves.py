@@ -1,0 +1,156 @@
+"""The trim op's row moves on steps without trim I/O graphs, in one launch each way.
+
+A step whose main layers run without graphs has no fixed addresses to capture the
+gathers against (trim_io.py), so per step the op gathers every row tensor into the
+region's inputs and scatters the region's outputs back. As PyTorch ops that is a launch
+per row tensor (``index_select``, about 26 us of host time each on the H200's host)
+plus a fill and an ``index_copy_`` per output. Here one Triton kernel gathers the
+replay rows of all row tensors (one program per row and tensor) and one writes every
+output whole: each main row takes its replay row's result, or zeros when trimmed.
+
+The scatter finds a main row's replay row by binary search in the replay rows, which
+``ReplayBatch`` keeps ascending and unique (batch.replay_rows). Each kernel takes up to
+``MAX_TENSORS`` tensors of any dtypes, each with contiguous rows. Where Triton is missing,
+the tensors are not on CUDA, or a layout does not fit, the PyTorch ops run instead.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..models._triton import tl, triton
+
+MAX_TENSORS = 6
+BLOCK = 1024
+# Triton's interpreter runs the kernel on CPU tensors: the CPU tests use it.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+    @triton.jit
+    def _copy_row(src, dst, width, src_row, dst_row, keep, BLOCK: tl.constexpr):
+        # ``keep`` false: zeros (a masked load reads 0), so trimmed rows are never stale.
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < width
+            v = tl.load(src + src_row * width + offs, mask=inside & keep, other=0)
+            tl.store(dst + dst_row * width + offs, v, mask=inside)
+
+    @triton.jit
+    def _move(rows, n, s0, s1, s2, s3, s4, s5, d0, d1, d2, d3, d4, d5, w0, w1, w2, w3, w4, w5,
+              SCATTER: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1)
+        if SCATTER:  # ``row`` is a main row: find it among the ``n`` ascending replay rows
+            lo = row * 0
+            hi = lo + n
+            for _ in tl.static_range(SEARCH_STEPS):
+                active = lo < hi
+                mid = (lo + hi) // 2
+                v = tl.load(rows + mid, mask=active, other=0)
+                right = active & (v < row)
+                lo = tl.where(right, mid + 1, lo)
+                hi = tl.where(active & (v >= row), mid, hi)
+            keep = (lo < n) & (tl.load(rows + lo, mask=lo < n, other=-1) == row)
+            src_row = lo
+        else:  # ``row`` is a replay row: gather its main row
+            keep = row < n
+            src_row = tl.load(rows + row)
+        dst_row = row
+        if t == 0:
+            _copy_row(s0, d0, w0, src_row, dst_row, keep, BLOCK)
+        elif t == 1:
+            _copy_row(s1, d1, w1, src_row, dst_row, keep, BLOCK)
+        elif t == 2:
+            _copy_row(s2, d2, w2, src_row, dst_row, keep, BLOCK)
+        elif t == 3:
+            _copy_row(s3, d3, w3, src_row, dst_row, keep, BLOCK)
+        elif t == 4:
+            _copy_row(s4, d4, w4, src_row, dst_row, keep, BLOCK)
+        else:
+            _copy_row(s5, d5, w5, src_row, dst_row, keep, BLOCK)
+
+
+def _row_width(x: torch.Tensor) -> int | None:
+    """Elements per row when ``x``'s rows are contiguous and packed, else None."""
+    if x.dim() == 0 or not x.is_contiguous():
+        return None
+    return x[0].numel() if x.shape[0] else 0
+
+
+def search_steps(n: int) -> int:
+    """Binary-search iterations for ``n`` replay rows, rounded up to a multiple of 8 so
+    that few kernel variants compile (spare iterations do nothing)."""
+    return -(-max(n, 1).bit_length() // 8) * 8
+
+
+def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
+           scatter: bool) -> None:
+    """The kernel over ``len(srcs)`` (src, dst) pairs: gather ``dsts[i][:n] =
+    srcs[i][rows_t]``, or scatter ``dsts[i][rows_t] = srcs[i][:n]`` with the other rows
+    of ``dsts[i]`` zero (n = len(rows_t))."""
+    k, n = len(srcs), rows_t.shape[0]
+    grid_rows = dsts[0].shape[0] if scatter else n
+    if not grid_rows:
+        return
+    pad = MAX_TENSORS - k  # unused slots never run: the grid has k columns
+    srcs, dsts = [*srcs, *[srcs[0]] * pad], [*dsts, *[dsts[0]] * pad]
+    _move[(grid_rows, k)](rows_t, n, *srcs, *dsts, *[_row_width(x) for x in srcs], SCATTER=scatter,
+                          SEARCH_STEPS=search_steps(n), BLOCK=BLOCK)
+
+
+def misfit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torch.Tensor,
+           scatter: bool) -> str | None:
+    """Why the kernel cannot move these tensors, or None when it can."""
+    if len(srcs) > MAX_TENSORS:
+        return f"{len(srcs)} tensors (the kernel takes up to {MAX_TENSORS})"
+    n = rows_t.shape[0]
+    for i, (a, b) in enumerate(zip(srcs, dsts)):
+        if a.dtype != b.dtype:
+            return f"tensor {i}: {a.dtype} into {b.dtype}"
+        if _row_width(a) is None or _row_width(a) != _row_width(b):
+            return f"tensor {i}: rows not contiguous or of unequal widths ({tuple(a.shape)}, {tuple(b.shape)})"
+        if (a if scatter else b).shape[0] < n or (scatter and b.shape[0] != dsts[0].shape[0]):
+            return f"tensor {i}: {a.shape[0]} / {b.shape[0]} rows for {n} replay rows"
+    return None
+
+
+class RowMoves:
+    """Gather into the region and scatter back for the trim op (``ReplayRuntime``): the
+    kernel on CUDA, the PyTorch ops elsewhere. Where CUDA tensors cannot take the kernel
+    (no Triton, a layout it does not take, a kernel that fails to build) that is a
+    fallback: ``fallback(reason, detail)`` counts it, logs it once, or raises when strict."""
+
+    def __init__(self, fallback: Callable[[str, str], None]) -> None:
+        self._fallback = fallback
+        self._broken: str | None = None if triton is not None else "Triton is not installed"
+
+    def _kernel(self, srcs, dsts, rows_t, scatter: bool) -> bool:
+        if not (rows_t.is_cuda or _INTERPRET):
+            return False  # the CPU path, not a fallback
+        why = self._broken or misfit(srcs, dsts, rows_t, scatter)
+        if why is None:
+            try:
+                launch(rows_t, srcs, dsts, scatter)
+                return True
+            except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
+                why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
+        self._fallback("row_moves_kernel", f"trim op row moves: {why}; a launch per tensor instead")
+        return False
+
+    def gather(self, rows: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], rows_t: torch.Tensor) -> None:
+        """``bufs[i][:n] = rows[i][rows_t]`` (n = len(rows_t)); rows past n keep their values."""
+        if not self._kernel(rows, bufs, rows_t, scatter=False):
+            n = rows_t.shape[0]
+            for x, b in zip(rows, bufs):
+                torch.index_select(x, 0, rows_t, out=b[:n])
+
+    def scatter(self, res: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], rows_t: torch.Tensor) -> None:
+        """``outs[i][rows_t] = res[i][:n]``, every other row of ``outs[i]`` zero."""
+        if not self._kernel(res, outs, rows_t, scatter=True):
+            n = rows_t.shape[0]
+            for r, o in zip(res, outs):
+                o.zero_()  # trimmed rows: zeros nobody reads, never stale data
+                o.index_copy_(0, rows_t, r[:n])

@@ -1,0 +1,72 @@
+"""The trim op's one-launch row moves against the PyTorch ops (GPU): the same result, and
+the host time per call of each, on mini-2k's boundary tensors.
+
+usage: python3 scripts/row_moves_probe.py [--tokens 8192] [--calls 200]
+
+Row tensors as the trim op sees them: hidden [T, 2048] and residual [T, 4, 2048] bf16,
+pre and post [T, 4] and comb [T, 4, 4] fp32, positions [T] int64; 128 replay rows
+gathered, one [T, 2048] bf16 output scattered.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from replay_backend.runtime import row_moves
+
+
+def host_us(fn, calls: int) -> float:
+    times = []
+    for i in range(calls):
+        if i % 20 == 0:
+            torch.cuda.synchronize()  # the launch queue never fills
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args()
+    t, dev = args.tokens, "cuda"
+    shapes = [((2048,), torch.bfloat16), ((4, 2048), torch.bfloat16), ((4,), torch.float32),
+              ((4,), torch.float32), ((4, 4), torch.float32), ((), torch.int64)]
+    rows = [(torch.randn(t, *s, device=dev) * 10).to(d) for s, d in shapes]
+    rows_t = torch.arange(t - 128, t, device=dev)
+    bufs = [torch.zeros((256, *x.shape[1:]), dtype=x.dtype, device=dev) for x in rows]
+    res, outs = [torch.randn(256, 2048, device=dev).bfloat16()], [torch.empty(t, 2048, device=dev).bfloat16()]
+    seen = []
+    kernel = row_moves.RowMoves(lambda reason, detail: seen.append(detail))
+    kernel.gather(rows, bufs, rows_t)
+    kernel.scatter(res, outs, rows_t)
+    torch.cuda.synchronize()
+    assert not seen, seen
+    for x, b in zip(rows, bufs):
+        assert torch.equal(b[:128], x[rows_t])
+    want = torch.zeros_like(outs[0])
+    want[rows_t] = res[0][:128]
+    assert torch.equal(outs[0], want)
+    print(f"kernel == indexing at {t} tokens: yes")
+
+    def ops_gather():
+        for x, b in zip(rows, bufs):
+            torch.index_select(x, 0, rows_t, out=b[:128])
+
+    def ops_scatter():
+        outs[0].zero_()
+        outs[0].index_copy_(0, rows_t, res[0][:128])
+    for name, ops, one in (("gather", ops_gather, lambda: kernel.gather(rows, bufs, rows_t)),
+                           ("scatter", ops_scatter, lambda: kernel.scatter(res, outs, rows_t))):
+        a, b = host_us(ops, args.calls), host_us(one, args.calls)
+        print(f"{name}: PyTorch ops {a:.1f} us, one launch {b:.1f} us per call (host, median of {args.calls})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The trim op's one-launch row moves (runtime/row_moves.py) on the CPU.
+
+The kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton
+is imported, hence a child process): against PyTorch indexing, and inside trimmed steps
+whose main layers run without graphs, against the eager oracle.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from replay_backend.runtime import row_moves
+from replay_backend.runtime.graphs import StrictFallbackError
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+
+def run_interpreted(code: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+@needs_triton
+def test_kernel_moves_rows_of_mixed_dtypes_like_indexing():
+    out = run_interpreted("""
+        import torch
+        from replay_backend.runtime import row_moves as rm
+        torch.manual_seed(0)
+        T = 97
+        kinds = [((64,), torch.bfloat16), ((4, 8), torch.float32), ((4,), torch.float32), ((), torch.int64),
+                 ((3,), torch.float16), ((2, 2), torch.float32)]
+        for k in (1, 3, 6):
+            for rows in ([0, 1, 2], [5, 40, 41, 96], list(range(T)), [96], []):
+                rows_t = torch.tensor(rows, dtype=torch.int64)
+                n = len(rows)
+                srcs = [(torch.randn(T, *s) * 100).to(d) for s, d in kinds[:k]]
+                bufs = [torch.full((n + 3, *x.shape[1:]), 7).to(x.dtype) for x in srcs]
+                rm.launch(rows_t, srcs, bufs, scatter=False)
+                for x, b in zip(srcs, bufs):
+                    assert torch.equal(b[:n], x[rows_t]), ("gather", k, rows)
+                    assert (b[n:] == 7).all(), ("gather wrote padding", k, rows)
+                res = [(torch.randn(n + 2, *x.shape[1:]) * 100).to(x.dtype) for x in srcs]
+                outs = [torch.full_like(x, 5) for x in srcs]
+                rm.launch(rows_t, res, outs, scatter=True)
+                for r, o in zip(res, outs):
+                    want = torch.zeros_like(o)
+                    want[rows_t] = r[:n]
+                    assert torch.equal(o, want), ("scatter", k, rows)
+        print("moved")
+    """)
+    assert "moved" in out
+
+
+@needs_triton
+def test_trimmed_steps_without_main_graphs_run_the_kernel_and_match_the_oracle():
+    out = run_interpreted("""
+        import sys
+        sys.path.insert(0, "tests")
+        import torch
+        from conftest import small_config
+        from replay_backend.backend import ReplayBackend
+        from replay_backend.batch import RequestChunk as R
+        from replay_backend.compare import max_abs_err
+        from replay_backend.counters import counters
+        from replay_backend.models import build_model
+        from replay_backend.runner import StepRunner
+        from replay_backend.runtime import row_moves as rm
+
+        launches = []
+        launch = rm.launch
+        rm.launch = lambda rows_t, srcs, dsts, scatter: launches.append(scatter) or launch(rows_t, srcs, dsts, scatter)
+        model = build_model(small_config())
+        be = ReplayBackend(compiler="eager", max_num_seqs=4, max_cudagraph_capture_size=32,
+                           decoder_replay_trim_threshold=24, strict=True)
+        rc, ro = StepRunner(model, max_model_len=256, backend=be), StepRunner(model, max_model_len=256)
+        rc.capture()
+        for reqs in ([R("a", 50, 50)], [R("b", 30, 30), R("c", 20, 20)]):
+            before = len(launches)
+            got, want = rc.step(reqs), ro.step(reqs)
+            assert got.step.kind == "eager" and got.trim.trimmed and got.trim.graph, (got.step, got.trim)
+            assert launches[before:] == [False, True], launches  # one gather, one scatter
+            assert max_abs_err(got.logits, want.logits) <= 1e-4
+            for r in (rc, ro):
+                for q in reqs:
+                    r.free(q.req_id)
+        assert not counters.fallbacks, counters.fallbacks
+        print("oracle ok")
+    """)
+    assert "oracle ok" in out
+
+
+def test_misfit_names_the_tensor_and_the_problem():
+    rows_t = torch.tensor([1, 3])
+    x = torch.zeros(5, 4)
+    assert row_moves.misfit([x], [torch.zeros(4, 4)], rows_t, scatter=False) is None
+    assert "tensor 0: torch.float32 into torch.bfloat16" in \
+        row_moves.misfit([x], [torch.zeros(4, 4, dtype=torch.bfloat16)], rows_t, scatter=False)
+    assert "tensor 1: rows not contiguous" in \
+        row_moves.misfit([x, x.t()], [x, x.t().contiguous()], rows_t, scatter=False)
+    assert "7 tensors" in row_moves.misfit([x] * 7, [x] * 7, rows_t, scatter=False)
+    assert "1 / 5 rows for 2 replay rows" in row_moves.misfit([x[:1]], [x], rows_t, scatter=True)
+
+
+def test_a_failing_kernel_is_a_counted_fallback_and_the_ops_still_serve(monkeypatch):
+    seen = []
+    monkeypatch.setattr(row_moves, "_INTERPRET", True)  # take the kernel's branch on the CPU
+    monkeypatch.setattr(row_moves, "triton", object())
+    monkeypatch.setattr(row_moves, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    moves = row_moves.RowMoves(lambda reason, detail: seen.append((reason, detail)))
+    rows_t = torch.tensor([1, 3])
+    x = torch.arange(10.0).view(5, 2)
+    buf = torch.full((4, 2), -1.0)
+    moves.gather([x], [buf], rows_t)
+    assert torch.equal(buf[:2], x[rows_t]) and (buf[2:] == -1).all()
+    out = torch.full((5, 2), 9.0)
+    moves.scatter([buf], [out], rows_t)
+    want = torch.zeros(5, 2)
+    want[rows_t] = x[rows_t]
+    assert torch.equal(out, want)
+    assert [r for r, _ in seen] == ["row_moves_kernel"] * 2
+    assert "the kernel failed: RuntimeError: no PTX" in seen[0][1]
+
+    def strict(reason, detail):
+        raise StrictFallbackError(f"{reason}: {detail}")
+    with pytest.raises(StrictFallbackError, match="row_moves_kernel: trim op row moves: the kernel failed"):
+        row_moves.RowMoves(strict).gather([x], [buf], rows_t)
