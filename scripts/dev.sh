@@ -19,6 +19,10 @@ fi
 stamp="$venv/.dsv41-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "$py" -m pip install -q -e ".[test]"
+    # Triton where pip has a wheel for this machine: the CPU tests run the trim op's
+    # row-moves kernel under its interpreter (they skip without it).
+    "$py" -m pip install -q triton 2>/dev/null \
+        || echo "dev.sh: no Triton wheel here; the kernel's interpreter tests skip" >&2
     touch "$stamp"
 fi
 job="${1:-demo}"

@@ -75,7 +75,7 @@ def test_trimmed_steps_without_main_graphs_run_the_kernel_and_match_the_oracle()
 
         launches = []
         launch = rm.launch
-        rm.launch = lambda rows_t, srcs, dsts, scatter: launches.append(scatter) or launch(rows_t, srcs, dsts, scatter)
+        rm.launch = lambda *a: launches.append(a[3]) or launch(*a)
         model = build_model(small_config())
         be = ReplayBackend(compiler="eager", max_num_seqs=4, max_cudagraph_capture_size=32,
                            decoder_replay_trim_threshold=24, strict=True)
@@ -96,16 +96,17 @@ def test_trimmed_steps_without_main_graphs_run_the_kernel_and_match_the_oracle()
     assert "oracle ok" in out
 
 
-def test_misfit_names_the_tensor_and_the_problem():
+def test_fit_gives_the_row_widths_or_names_the_tensor_and_the_problem():
     rows_t = torch.tensor([1, 3])
     x = torch.zeros(5, 4)
-    assert row_moves.misfit([x], [torch.zeros(4, 4)], rows_t, scatter=False) is None
+    assert row_moves.fit([x, torch.zeros(5, 2, 3), torch.zeros(5)], [torch.zeros(4, 4), torch.zeros(2, 2, 3),
+                         torch.zeros(2)], rows_t, scatter=False) == [4, 6, 1]
     assert "tensor 0: torch.float32 into torch.bfloat16" in \
-        row_moves.misfit([x], [torch.zeros(4, 4, dtype=torch.bfloat16)], rows_t, scatter=False)
+        row_moves.fit([x], [torch.zeros(4, 4, dtype=torch.bfloat16)], rows_t, scatter=False)
     assert "tensor 1: rows not contiguous" in \
-        row_moves.misfit([x, x.t()], [x, x.t().contiguous()], rows_t, scatter=False)
-    assert "7 tensors" in row_moves.misfit([x] * 7, [x] * 7, rows_t, scatter=False)
-    assert "1 / 5 rows for 2 replay rows" in row_moves.misfit([x[:1]], [x], rows_t, scatter=True)
+        row_moves.fit([x, x.t()], [x, x.t().contiguous()], rows_t, scatter=False)
+    assert "7 tensors" in row_moves.fit([x] * 7, [x] * 7, rows_t, scatter=False)
+    assert "1 / 5 rows for 2 replay rows" in row_moves.fit([x[:1]], [x], rows_t, scatter=True)
 
 
 def test_a_failing_kernel_is_a_counted_fallback_and_the_ops_still_serve(monkeypatch):

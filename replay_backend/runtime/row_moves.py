@@ -10,11 +10,14 @@ output whole: each main row takes its replay row's result, or zeros when trimmed
 
 The scatter finds a main row's replay row by binary search in the replay rows, which
 ``ReplayBatch`` keeps ascending and unique (batch.replay_rows). Each kernel takes up to
-``MAX_TENSORS`` tensors of any dtypes, each with contiguous rows. Where Triton is missing,
-the tensors are not on CUDA, or a layout does not fit, the PyTorch ops run instead.
+``MAX_TENSORS`` tensors of any dtypes, each with contiguous rows. On the CPU the
+PyTorch ops run; on CUDA so do they, as a counted fallback, where Triton is missing, a
+layout does not fit or the kernel fails to build. The checks use shapes only (Python
+ints): they run every step, and a tensor view per check would cost what the kernel saves.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -77,7 +80,7 @@ def _row_width(x: torch.Tensor) -> int | None:
     """Elements per row when ``x``'s rows are contiguous and packed, else None."""
     if x.dim() == 0 or not x.is_contiguous():
         return None
-    return x[0].numel() if x.shape[0] else 0
+    return math.prod(x.shape[1:])
 
 
 def search_steps(n: int) -> int:
@@ -86,35 +89,37 @@ def search_steps(n: int) -> int:
     return -(-max(n, 1).bit_length() // 8) * 8
 
 
+def fit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torch.Tensor,
+        scatter: bool) -> list[int] | str:
+    """The row widths of the (src, dst) pairs, or why the kernel cannot move them."""
+    if len(srcs) > MAX_TENSORS:
+        return f"{len(srcs)} tensors (the kernel takes up to {MAX_TENSORS})"
+    n, widths = rows_t.shape[0], []
+    for i, (a, b) in enumerate(zip(srcs, dsts)):
+        if a.dtype != b.dtype:
+            return f"tensor {i}: {a.dtype} into {b.dtype}"
+        w = _row_width(a)
+        if w is None or w != _row_width(b):
+            return f"tensor {i}: rows not contiguous or of unequal widths ({tuple(a.shape)}, {tuple(b.shape)})"
+        if (a if scatter else b).shape[0] < n or (scatter and b.shape[0] != dsts[0].shape[0]):
+            return f"tensor {i}: {a.shape[0]} / {b.shape[0]} rows for {n} replay rows"
+        widths.append(w)
+    return widths
+
+
 def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
-           scatter: bool) -> None:
+           scatter: bool, widths: list[int] | None = None) -> None:
     """The kernel over ``len(srcs)`` (src, dst) pairs: gather ``dsts[i][:n] =
     srcs[i][rows_t]``, or scatter ``dsts[i][rows_t] = srcs[i][:n]`` with the other rows
-    of ``dsts[i]`` zero (n = len(rows_t))."""
+    of ``dsts[i]`` zero (n = len(rows_t)). ``widths``: as :func:`fit` gives them."""
     k, n = len(srcs), rows_t.shape[0]
     grid_rows = dsts[0].shape[0] if scatter else n
     if not grid_rows:
         return
+    widths = widths if widths is not None else [_row_width(x) for x in srcs]
     pad = MAX_TENSORS - k  # unused slots never run: the grid has k columns
-    srcs, dsts = [*srcs, *[srcs[0]] * pad], [*dsts, *[dsts[0]] * pad]
-    _move[(grid_rows, k)](rows_t, n, *srcs, *dsts, *[_row_width(x) for x in srcs], SCATTER=scatter,
-                          SEARCH_STEPS=search_steps(n), BLOCK=BLOCK)
-
-
-def misfit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torch.Tensor,
-           scatter: bool) -> str | None:
-    """Why the kernel cannot move these tensors, or None when it can."""
-    if len(srcs) > MAX_TENSORS:
-        return f"{len(srcs)} tensors (the kernel takes up to {MAX_TENSORS})"
-    n = rows_t.shape[0]
-    for i, (a, b) in enumerate(zip(srcs, dsts)):
-        if a.dtype != b.dtype:
-            return f"tensor {i}: {a.dtype} into {b.dtype}"
-        if _row_width(a) is None or _row_width(a) != _row_width(b):
-            return f"tensor {i}: rows not contiguous or of unequal widths ({tuple(a.shape)}, {tuple(b.shape)})"
-        if (a if scatter else b).shape[0] < n or (scatter and b.shape[0] != dsts[0].shape[0]):
-            return f"tensor {i}: {a.shape[0]} / {b.shape[0]} rows for {n} replay rows"
-    return None
+    _move[(grid_rows, k)](rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad,
+                          SCATTER=scatter, SEARCH_STEPS=search_steps(n), BLOCK=BLOCK)
 
 
 class RowMoves:
@@ -130,10 +135,10 @@ class RowMoves:
     def _kernel(self, srcs, dsts, rows_t, scatter: bool) -> bool:
         if not (rows_t.is_cuda or _INTERPRET):
             return False  # the CPU path, not a fallback
-        why = self._broken or misfit(srcs, dsts, rows_t, scatter)
-        if why is None:
+        why = self._broken or fit(srcs, dsts, rows_t, scatter)
+        if not isinstance(why, str):
             try:
-                launch(rows_t, srcs, dsts, scatter)
+                launch(rows_t, srcs, dsts, scatter, why)
                 return True
             except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
                 why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
