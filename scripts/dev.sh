@@ -19,9 +19,9 @@ fi
 stamp="$venv/.dsv41-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "$py" -m pip install -q -e ".[test]"
-    # Triton where pip has a wheel for this machine: the CPU tests run the trim op's
-    # row-moves kernel under its interpreter (they skip without it).
-    "$py" -m pip install -q triton 2>/dev/null \
+    # Triton (the GPU machine's version) where pip has a wheel for this machine: the CPU
+    # tests run the trim op's row-moves kernel under its interpreter (they skip without it).
+    "$py" -m pip install -q triton==3.6.0 2>/dev/null \
         || echo "dev.sh: no Triton wheel here; the kernel's interpreter tests skip" >&2
     touch "$stamp"
 fi

@@ -53,6 +53,14 @@ def test_kernel_moves_rows_of_mixed_dtypes_like_indexing():
                     want = torch.zeros_like(o)
                     want[rows_t] = r[:n]
                     assert torch.equal(o, want), ("scatter", k, rows)
+        # warm: both directions built on scratch, the tensors themselves untouched
+        launches, launch = [], rm.launch
+        rm.launch = lambda *a: launches.append(a[3]) or launch(*a)
+        srcs = [(torch.randn(T, *s) * 100).to(d) for s, d in kinds]
+        copies = [x.clone() for x in srcs]
+        rm.RowMoves(lambda *a: launches.append(a)).warm(srcs, srcs[:2])
+        assert launches == [False, True], launches
+        assert all(torch.equal(x, c) for x, c in zip(srcs, copies))
         print("moved")
     """)
     assert "moved" in out

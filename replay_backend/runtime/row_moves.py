@@ -34,14 +34,17 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if triton is not None:
     @triton.jit
     def _copy_row(src, dst, width, src_row, dst_row, keep, BLOCK: tl.constexpr):
-        # ``keep`` false: zeros (a masked load reads 0), so trimmed rows are never stale.
+        # ``keep`` false: nothing loaded, zeros stored, so trimmed rows are never stale
+        # (a bound rather than ``inside & keep``: one comparison makes the load's mask)
+        limit = tl.where(keep, width, 0)
         for start in range(0, width, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            inside = offs < width
-            v = tl.load(src + src_row * width + offs, mask=inside & keep, other=0)
-            tl.store(dst + dst_row * width + offs, v, mask=inside)
+            v = tl.load(src + src_row * width + offs, mask=offs < limit, other=0)
+            tl.store(dst + dst_row * width + offs, v, mask=offs < width)
 
-    @triton.jit
+    # n and the widths change with the step: not specialised on, so one build per
+    # direction and dtype signature serves every step (warmed at capture, ``RowMoves.warm``).
+    @triton.jit(do_not_specialize=["n", "w0", "w1", "w2", "w3", "w4", "w5"])
     def _move(rows, n, s0, s1, s2, s3, s4, s5, d0, d1, d2, d3, d4, d5, w0, w1, w2, w3, w4, w5,
               SCATTER: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -84,9 +87,9 @@ def _row_width(x: torch.Tensor) -> int | None:
 
 
 def search_steps(n: int) -> int:
-    """Binary-search iterations for ``n`` replay rows, rounded up to a multiple of 8 so
-    that few kernel variants compile (spare iterations do nothing)."""
-    return -(-max(n, 1).bit_length() // 8) * 8
+    """Binary-search iterations for ``n`` replay rows: 16 up to 65,535 rows, so that one
+    build serves every step (spare iterations do nothing)."""
+    return max(16, max(n, 1).bit_length())
 
 
 def fit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torch.Tensor,
@@ -119,7 +122,7 @@ def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[to
     widths = widths if widths is not None else [_row_width(x) for x in srcs]
     pad = MAX_TENSORS - k  # unused slots never run: the grid has k columns
     _move[(grid_rows, k)](rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad,
-                          SCATTER=scatter, SEARCH_STEPS=search_steps(n), BLOCK=BLOCK)
+                          SCATTER=scatter, SEARCH_STEPS=search_steps(n) if scatter else 0, BLOCK=BLOCK)
 
 
 class RowMoves:
@@ -144,6 +147,14 @@ class RowMoves:
                 why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
         self._fallback("row_moves_kernel", f"trim op row moves: {why}; a launch per tensor instead")
         return False
+
+    def warm(self, rows: Sequence[torch.Tensor], res: Sequence[torch.Tensor]) -> None:
+        """Build both kernels for the dtypes of ``rows`` and ``res`` before serving
+        (outside any graph capture), moving one row into scratch tensors: the first
+        steps whose main layers run without graphs come after capture."""
+        one = torch.zeros(1, dtype=torch.int64, device=rows[0].device)
+        self.gather(rows, [torch.empty_like(x[:1]) for x in rows], one)
+        self.scatter(res, [torch.empty_like(r) for r in res], one)
 
     def gather(self, rows: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], rows_t: torch.Tensor) -> None:
         """``bufs[i][:n] = rows[i][rows_t]`` (n = len(rows_t)); rows past n keep their values."""

@@ -75,6 +75,7 @@ class ReplayRuntime:
             if cfg.cudagraph_decoder_replay and cfg.trim_io_graphs and replay_sizes else []
         self.io: TrimIO | None = None
         self.moves = RowMoves(res.fallback)  # gathers and scatter without trim I/O graphs
+        self._moves_warm = False
         self.buffers: list[torch.Tensor] | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
@@ -172,6 +173,9 @@ class ReplayRuntime:
         trim op's gather and scatter graphs for every trimming main size and this replay
         size. Returns how many of the latter were captured."""
         res = self._run_dummy(size, view, graphs=True)
+        if self.res.use_cuda and not self._moves_warm:
+            self._moves_warm = True
+            self.moves.warm(self.buffers, list(res))
         if self.io is None or size not in self.replay_sizes:
             return 0
         return self.io.capture(size, self._sliced(self.buffers, size), list(res), self.trim_main_sizes)
