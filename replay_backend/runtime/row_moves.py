@@ -33,12 +33,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _copy_row(src, dst, width, src_row, dst_row, keep, BLOCK: tl.constexpr):
+    def _copy_row(src, dst, width, src_row, dst_row, keep, BLOCK: tl.constexpr, ROW_BLOCKS: tl.constexpr):
         # ``keep`` false: nothing loaded, zeros stored, so trimmed rows are never stale
-        # (a bound rather than ``inside & keep``: one comparison makes the load's mask)
+        # (a bound rather than ``inside & keep``: one comparison makes the load's mask).
+        # A static loop over the widest row: a runtime bound is a Python ``range`` over a
+        # tensor in Triton's interpreter, which numpy 2 refuses.
         limit = tl.where(keep, width, 0)
-        for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        for i in tl.static_range(ROW_BLOCKS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
             v = tl.load(src + src_row * width + offs, mask=offs < limit, other=0)
             tl.store(dst + dst_row * width + offs, v, mask=offs < width)
 
@@ -46,7 +48,7 @@ if triton is not None:
     # direction and dtype signature serves every step (warmed at capture, ``RowMoves.warm``).
     @triton.jit(do_not_specialize=["n", "w0", "w1", "w2", "w3", "w4", "w5"])
     def _move(rows, n, s0, s1, s2, s3, s4, s5, d0, d1, d2, d3, d4, d5, w0, w1, w2, w3, w4, w5,
-              SCATTER: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+              SCATTER: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCKS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1)
         if SCATTER:  # ``row`` is a main row: find it among the ``n`` ascending replay rows
@@ -66,17 +68,17 @@ if triton is not None:
             src_row = tl.load(rows + row)
         dst_row = row
         if t == 0:
-            _copy_row(s0, d0, w0, src_row, dst_row, keep, BLOCK)
+            _copy_row(s0, d0, w0, src_row, dst_row, keep, BLOCK, ROW_BLOCKS)
         elif t == 1:
-            _copy_row(s1, d1, w1, src_row, dst_row, keep, BLOCK)
+            _copy_row(s1, d1, w1, src_row, dst_row, keep, BLOCK, ROW_BLOCKS)
         elif t == 2:
-            _copy_row(s2, d2, w2, src_row, dst_row, keep, BLOCK)
+            _copy_row(s2, d2, w2, src_row, dst_row, keep, BLOCK, ROW_BLOCKS)
         elif t == 3:
-            _copy_row(s3, d3, w3, src_row, dst_row, keep, BLOCK)
+            _copy_row(s3, d3, w3, src_row, dst_row, keep, BLOCK, ROW_BLOCKS)
         elif t == 4:
-            _copy_row(s4, d4, w4, src_row, dst_row, keep, BLOCK)
+            _copy_row(s4, d4, w4, src_row, dst_row, keep, BLOCK, ROW_BLOCKS)
         else:
-            _copy_row(s5, d5, w5, src_row, dst_row, keep, BLOCK)
+            _copy_row(s5, d5, w5, src_row, dst_row, keep, BLOCK, ROW_BLOCKS)
 
 
 def _row_width(x: torch.Tensor) -> int | None:
@@ -84,6 +86,11 @@ def _row_width(x: torch.Tensor) -> int | None:
     if x.dim() == 0 or not x.is_contiguous():
         return None
     return math.prod(x.shape[1:])
+
+
+def row_blocks(width: int) -> int:
+    """Blocks per row for the widest row, a power of two (one build per model)."""
+    return 1 << max(0, -(-width // BLOCK) - 1).bit_length()
 
 
 def search_steps(n: int) -> int:
@@ -122,7 +129,8 @@ def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[to
     widths = widths if widths is not None else [_row_width(x) for x in srcs]
     pad = MAX_TENSORS - k  # unused slots never run: the grid has k columns
     _move[(grid_rows, k)](rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad,
-                          SCATTER=scatter, SEARCH_STEPS=search_steps(n) if scatter else 0, BLOCK=BLOCK)
+                          SCATTER=scatter, SEARCH_STEPS=search_steps(n) if scatter else 0, BLOCK=BLOCK,
+                          ROW_BLOCKS=row_blocks(max(widths)))
 
 
 class RowMoves:
