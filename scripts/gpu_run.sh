@@ -2,6 +2,7 @@
 # Runs on the GPU machine: install without network, GPU tests, then the benchmark.
 # usage: bash scripts/gpu_run.sh OUTDIR [bench args...]
 # env: SKIP_TESTS=1, TEST_TIMEOUT=s, ACCURACY_PROBE="accuracy_probe.py args", PROBE_TIMEOUT=s,
+#      TRIM_PROBES=1 (row_moves_probe.py, then trim_probe.py on both trim paths),
 #      BENCH_TIMEOUT=s, WARM_COMPILE=1 (a second, warm compile-only run)
 set -uo pipefail
 out="${1:?outdir}"; shift
@@ -16,6 +17,14 @@ if [ -n "${ACCURACY_PROBE:-}" ]; then  # e.g. ACCURACY_PROBE="--layers 4,21,40 -
     # shellcheck disable=SC2086  # the variable holds several arguments
     timeout "${PROBE_TIMEOUT:-300}" python3 scripts/accuracy_probe.py $ACCURACY_PROBE 2>&1 \
         | tee "$out/accuracy_probe.log" | grep -v '^ *$' | tail -12
+fi
+if [ "${TRIM_PROBES:-0}" = 1 ]; then
+    timeout 120 python3 scripts/row_moves_probe.py 2>&1 | tee "$out/row_moves_probe.log" | tail -4
+    for isl in 1024 2048; do
+        timeout 120 python3 scripts/trim_probe.py --preset mini-2k --layers 8 --isl "$isl" --steps 50 \
+            > "$out/trim_probe_$isl.log" 2>&1
+        grep -E "^(step|trim op|  )" "$out/trim_probe_$isl.log" | head -16
+    done
 fi
 if [ "$#" -gt 0 ]; then
     timeout "${BENCH_TIMEOUT:-400}" replay-backend bench --json "$out/bench.json" --out "$out/bench.md" "$@" 2>&1 \
