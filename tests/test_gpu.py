@@ -240,25 +240,6 @@ def test_step_metadata_copies_do_not_wait_for_the_device():
 def test_row_moves_kernel_matches_indexing():
     """The trim op's one-launch gather and scatter (runtime/row_moves.py), compiled for
     the GPU, on the boundary tensors' dtypes and layouts, with rows at both ends."""
-    from replay_backend.runtime import row_moves
+    from row_moves_cases import check_against_indexing
 
-    seen = []
-    moves = row_moves.RowMoves(lambda reason, detail: seen.append(detail))
-    t = 700
-    shapes = [((256,), torch.bfloat16), ((4, 256), torch.bfloat16), ((4,), torch.float32),
-              ((4,), torch.float32), ((4, 4), torch.float32), ((), torch.int64)]
-    rows = [(torch.randn(t, *s, device="cuda") * 100).to(d) for s, d in shapes]
-    for picked in ([0, 1, 2], [5, 300, 301, t - 1], list(range(t - 128, t)), []):
-        rows_t = torch.tensor(picked, dtype=torch.int64, device="cuda")
-        n = len(picked)
-        bufs = [torch.full((n + 3, *x.shape[1:]), 7, device="cuda").to(x.dtype) for x in rows]
-        moves.gather(rows, bufs, rows_t)
-        res = [(torch.randn(n + 2, 256, device="cuda") * 100).bfloat16()]
-        outs = [torch.full((t, 256), 5.0, device="cuda").bfloat16()]
-        moves.scatter(res, outs, rows_t)
-        for x, b in zip(rows, bufs):
-            assert torch.equal(b[:n], x[rows_t]) and (b[n:] == 7).all()
-        want = torch.zeros_like(outs[0])
-        want[rows_t] = res[0][:n]
-        assert torch.equal(outs[0], want)
-    assert not seen, seen  # the kernel ran, no fallback
+    check_against_indexing("cuda")

@@ -30,37 +30,10 @@ def run_interpreted(code: str) -> str:
 @needs_triton
 def test_kernel_moves_rows_of_mixed_dtypes_like_indexing():
     out = run_interpreted("""
-        import torch
-        from replay_backend.runtime import row_moves as rm
-        torch.manual_seed(0)
-        T = 97
-        kinds = [((64,), torch.bfloat16), ((4, 8), torch.float32), ((4,), torch.float32), ((), torch.int64),
-                 ((3,), torch.float16), ((2, 2), torch.float32)]
-        for k in (1, 3, 6):
-            for rows in ([0, 1, 2], [5, 40, 41, 96], list(range(T)), [96], []):
-                rows_t = torch.tensor(rows, dtype=torch.int64)
-                n = len(rows)
-                srcs = [(torch.randn(T, *s) * 100).to(d) for s, d in kinds[:k]]
-                bufs = [torch.full((n + 3, *x.shape[1:]), 7).to(x.dtype) for x in srcs]
-                rm.launch(rows_t, srcs, bufs, scatter=False)
-                for x, b in zip(srcs, bufs):
-                    assert torch.equal(b[:n], x[rows_t]), ("gather", k, rows)
-                    assert (b[n:] == 7).all(), ("gather wrote padding", k, rows)
-                res = [(torch.randn(n + 2, *x.shape[1:]) * 100).to(x.dtype) for x in srcs]
-                outs = [torch.full_like(x, 5) for x in srcs]
-                rm.launch(rows_t, res, outs, scatter=True)
-                for r, o in zip(res, outs):
-                    want = torch.zeros_like(o)
-                    want[rows_t] = r[:n]
-                    assert torch.equal(o, want), ("scatter", k, rows)
-        # warm: both directions built on scratch, the tensors themselves untouched
-        launches, launch = [], rm.launch
-        rm.launch = lambda *a: launches.append(a[3]) or launch(*a)
-        srcs = [(torch.randn(T, *s) * 100).to(d) for s, d in kinds]
-        copies = [x.clone() for x in srcs]
-        rm.RowMoves(lambda *a: launches.append(a)).warm(srcs, srcs[:2])
-        assert launches == [False, True], launches
-        assert all(torch.equal(x, c) for x, c in zip(srcs, copies))
+        import sys
+        sys.path.insert(0, "tests")
+        from row_moves_cases import check_against_indexing
+        check_against_indexing("cpu")
         print("moved")
     """)
     assert "moved" in out
