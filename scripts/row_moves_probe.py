@@ -1,5 +1,6 @@
 """The trim op's one-launch row moves against the PyTorch ops (GPU): the same result, and
-the host time per call of each, on mini-2k's boundary tensors.
+the host time per call of each (the kernel through Triton's entry and as RowMoves
+launches it, from its kept build), on mini-2k's boundary tensors.
 
 usage: python3 scripts/row_moves_probe.py [--tokens 8192] [--calls 200]
 
@@ -62,10 +63,16 @@ def main() -> None:
     def ops_scatter():
         outs[0].zero_()
         outs[0].index_copy_(0, rows_t, res[0][:128])
-    for name, ops, one in (("gather", ops_gather, lambda: kernel.gather(rows, bufs, rows_t)),
-                           ("scatter", ops_scatter, lambda: kernel.scatter(res, outs, rows_t))):
-        a, b = host_us(ops, args.calls), host_us(one, args.calls)
-        print(f"{name}: PyTorch ops {a:.1f} us, one launch {b:.1f} us per call (host, median of {args.calls})")
+    # "Triton's entry": the build found from the arguments on each call, as RowMoves did
+    # before it kept its builds (row_moves.launch without ``builds``).
+    for name, ops, entry, kept in (
+            ("gather", ops_gather, lambda: row_moves.launch(rows_t, rows, bufs, False),
+             lambda: kernel.gather(rows, bufs, rows_t)),
+            ("scatter", ops_scatter, lambda: row_moves.launch(rows_t, res, outs, True),
+             lambda: kernel.scatter(res, outs, rows_t))):
+        a, b, c = (host_us(fn, args.calls) for fn in (ops, entry, kept))
+        print(f"{name}: PyTorch ops {a:.1f} us, one launch through Triton's entry {b:.1f} us, "
+              f"with the kept build {c:.1f} us per call (host, median of {args.calls})")
 
 
 if __name__ == "__main__":

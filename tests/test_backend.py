@@ -651,6 +651,36 @@ def test_static_graph_debug_mode_checks_every_replay():
         g.replay((x, w.clone()))
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_static_graph_capture_pauses_automatic_collection(fails):
+    """Collection is off while a graph captures (a collection that frees a dropped graph
+    would invalidate a CUDA capture: the GPU test reproduces that) and back on after,
+    also when the piece raises; a caller that had turned it off keeps it off."""
+    import gc
+
+    seen = []
+
+    def piece(x, w):
+        seen.append(gc.isenabled())
+        if fails:
+            raise ValueError("piece failed")
+        return _fn(x, w)
+
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            if fails:
+                with pytest.raises(ValueError, match="piece failed"):
+                    StaticGraph("toy[4]", piece, (x, w), GraphResources(use_cuda=False))
+            else:
+                StaticGraph("toy[4]", piece, (x, w), GraphResources(use_cuda=False))
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+    assert seen == [False, False]
+
+
 def test_piece_runner_debug_mode_detects_a_moved_input():
     res = GraphResources(use_cuda=False, check_every_replay=True)
     level = GraphLevel("main", [4], size=4)

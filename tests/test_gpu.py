@@ -243,3 +243,35 @@ def test_row_moves_kernel_matches_indexing():
     from row_moves_cases import check_against_indexing
 
     check_against_indexing("cuda")
+
+
+def test_capture_survives_a_collection_that_frees_dropped_graphs():
+    """A dropped runner's graphs, held only by a reference cycle, freed by an automatic
+    collection in the middle of another capture: destroying a graph while the stream
+    captures invalidates that capture unless collection is paused (graphs.py)."""
+    import gc
+
+    from replay_backend.runtime.graphs import GraphResources, StaticGraph
+
+    res = GraphResources(use_cuda=True)
+    x = torch.arange(64, dtype=torch.float32, device="cuda")
+    gc.collect()  # the cycle below starts in the youngest generation
+    old = StaticGraph("old", lambda t: t * 2, (x,), res)
+    holder = [[old]]
+    holder[0].append(holder[0])  # a cycle: only a collection frees it
+    del old
+    thresholds = gc.get_threshold()
+
+    def piece(t):
+        holder.clear()  # the cycle is garbage now, in the middle of the capture
+        gc.set_threshold(1, 1, 1)
+        junk = [[i] for i in range(2000)]  # allocations that would start collections
+        return t + len(junk)
+
+    try:
+        g = StaticGraph("new", piece, (x,), res)
+    finally:
+        gc.set_threshold(*thresholds)
+    g.graph.replay()
+    torch.testing.assert_close(g.outputs, x + 2000)
+    assert gc.isenabled()

@@ -22,7 +22,9 @@ Graphs captured outside ``capture()`` (lazily, in any order) keep their outputs.
 """
 from __future__ import annotations
 
+import gc
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -94,6 +96,25 @@ def _map_tensors(fn: Callable, x):
     return x
 
 
+@contextmanager
+def collection_paused():
+    """Automatic garbage collection off for the duration of one capture.
+
+    A collection can free a dropped runner's graphs (Python frees reference cycles only
+    then). Destroying a CUDA graph is not permitted while a stream captures, so CUDA
+    invalidates the capture in progress and the next launch in it fails. Unreachable
+    graphs wait until the capture ends instead. ``torch.cuda.graph`` runs a full
+    collection before each capture for the same reason; across thousands of piece graphs
+    that would dominate capture time, while pausing costs nothing."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class StaticGraph:
     """One captured piece at one size. ``owned`` holds the capturing step's outputs until
     that step takes them (:meth:`take_owned`); ``outputs`` is what replays return."""
@@ -110,7 +131,7 @@ class StaticGraph:
             # gc.collect() and empty_cache() per graph, which dominates capturing
             # thousands of piece graphs; the pool and stream are the shared ones.
             res.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(res.stream):
+            with torch.cuda.stream(res.stream), collection_paused():
                 self.graph.capture_begin(pool=res.pool)
                 try:
                     self.owned = fn(*args)
@@ -122,7 +143,8 @@ class StaticGraph:
         else:
             self.inputs = args  # the emulation recomputes from the captured inputs
             self.graph = None
-            self.owned = self.outputs = fn(*args)
+            with collection_paused():  # as on CUDA, so the CPU tests see the same state
+                self.owned = self.outputs = fn(*args)
 
     def take_owned(self):
         owned, self.owned = self.owned, None

@@ -46,7 +46,12 @@ if triton is not None:
 
     # n and the widths change with the step: not specialised on, so one build per
     # direction and dtype signature serves every step (warmed at capture, ``RowMoves.warm``).
-    @triton.jit(do_not_specialize=["n", "w0", "w1", "w2", "w3", "w4", "w5"])
+    # Nor is pointer alignment: a row starts at ``row * width`` for a width the build does
+    # not know, so alignment would not widen a load, and the build is then fixed by the
+    # dtypes and constexprs alone (the key of ``RowMoves._builds``).
+    @triton.jit(do_not_specialize=["n", "w0", "w1", "w2", "w3", "w4", "w5"],
+                do_not_specialize_on_alignment=["rows", "s0", "s1", "s2", "s3", "s4", "s5",
+                                                "d0", "d1", "d2", "d3", "d4", "d5"])
     def _move(rows, n, s0, s1, s2, s3, s4, s5, d0, d1, d2, d3, d4, d5, w0, w1, w2, w3, w4, w5,
               SCATTER: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCKS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -118,19 +123,32 @@ def fit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torc
 
 
 def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
-           scatter: bool, widths: list[int] | None = None) -> None:
+           scatter: bool, widths: list[int] | None = None, builds: dict | None = None) -> None:
     """The kernel over ``len(srcs)`` (src, dst) pairs: gather ``dsts[i][:n] =
     srcs[i][rows_t]``, or scatter ``dsts[i][rows_t] = srcs[i][:n]`` with the other rows
-    of ``dsts[i]`` zero (n = len(rows_t)). ``widths``: as :func:`fit` gives them."""
+    of ``dsts[i]`` zero (n = len(rows_t)). ``widths``: as :func:`fit` gives them.
+
+    ``builds`` keeps each build by its key and launches it directly afterwards: Triton's
+    own entry derives the build from all 20 arguments on every call, which cost about as
+    much host time as the PyTorch ops it replaces (scripts/row_moves_probe.py)."""
     k, n = len(srcs), rows_t.shape[0]
     grid_rows = dsts[0].shape[0] if scatter else n
     if not grid_rows:
         return
     widths = widths if widths is not None else [_row_width(x) for x in srcs]
     pad = MAX_TENSORS - k  # unused slots never run: the grid has k columns
-    _move[(grid_rows, k)](rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad,
-                          SCATTER=scatter, SEARCH_STEPS=search_steps(n) if scatter else 0, BLOCK=BLOCK,
-                          ROW_BLOCKS=row_blocks(max(widths)))
+    args = (rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad)
+    consts = (scatter, search_steps(n) if scatter else 0, BLOCK, row_blocks(max(widths)))
+    grid = (grid_rows, k, 1)
+    # Pad slots repeat tensor 0 and fit() checked each pair's dtypes: this fixes the build.
+    key = (rows_t.device.index, rows_t.dtype, consts, *(x.dtype for x in srcs))
+    build = builds.get(key) if builds is not None else None
+    if build is not None:
+        build[grid](*args, *consts)  # a build takes every argument, constexprs included
+        return
+    build = _move[grid](*args, SCATTER=consts[0], SEARCH_STEPS=consts[1], BLOCK=consts[2], ROW_BLOCKS=consts[3])
+    if builds is not None and hasattr(build, "__getitem__"):  # not under the interpreter
+        builds[key] = build
 
 
 class RowMoves:
@@ -141,6 +159,7 @@ class RowMoves:
 
     def __init__(self, fallback: Callable[[str, str], None]) -> None:
         self._fallback = fallback
+        self._builds: dict = {}  # kernel builds by their key (launch())
         self._broken: str | None = None if triton is not None else "Triton is not installed"
 
     def _kernel(self, srcs, dsts, rows_t, scatter: bool) -> bool:
@@ -149,7 +168,7 @@ class RowMoves:
         why = self._broken or fit(srcs, dsts, rows_t, scatter)
         if not isinstance(why, str):
             try:
-                launch(rows_t, srcs, dsts, scatter, why)
+                launch(rows_t, srcs, dsts, scatter, why, self._builds)
                 return True
             except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
                 why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
