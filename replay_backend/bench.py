@@ -22,7 +22,7 @@ import torch
 from . import torch_compat
 from .backend import ReplayBackend
 from .bench_accuracy import CHECK, yardstick
-from .bench_report import MODES, render  # noqa: F401  (bench.render: the CLI's and tests')
+from .bench_report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
 from .bench_timing import TimedMode, host_probe, sync, time_points
 from .cli_options import parse_options
 from .compare import max_abs_err
@@ -122,12 +122,10 @@ def _backend_config(mode: str, setting: str, args) -> ReplayConfig:
 
 def _plan(args) -> list[tuple[str, str]]:
     """(mode, setting) in the order given, the stock peer last. Modes without graphs of
-    this backend run at the default setting only."""
+    this backend run once, at the default setting, whichever settings were asked for."""
     order = []
     for mode in args.modes:
-        for setting in args.settings:
-            if setting == "wide" and mode in ("eager", "off", "parent", "reduce-overhead"):
-                continue
+        for setting in ["default"] if mode in UNGRAPHED else args.settings:
             order.append((mode, setting))
     # The stock peer last: it resets Dynamo, which drops the shared trace.
     return sorted(order, key=lambda ms: ms[0] == "reduce-overhead")
@@ -193,9 +191,12 @@ def _model(args):
 
 
 def run_bench(args) -> dict:
+    shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
+    if not shapes:
+        raise ValueError(f"every ISL x concurrency point is above --max-tokens-per-point "
+                         f"{args.max_tokens_per_point} prompt tokens: nothing to measure")
     model, device = _model(args)
     dtype = next(model.parameters()).dtype
-    shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
     plan = _plan(args)

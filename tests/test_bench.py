@@ -49,6 +49,30 @@ def test_plan_runs_the_stock_peer_last_and_no_graphless_mode_twice():
                                  ("eager", "default"), ("reduce-overhead", "default")]
 
 
+def test_ungraphed_modes_run_once_when_only_the_wide_setting_is_asked_for():
+    """A capture setting changes nothing in a mode without this backend's graphs: it
+    runs at the default setting and the wide table shows it, no table of its own."""
+    args = SimpleNamespace(modes=["replay", "off", "reduce-overhead"], settings=["wide"])
+    assert bench._plan(args) == [("replay", "wide"), ("off", "default"), ("reduce-overhead", "default")]
+    report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
+              "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384,
+              "floor_ms": {"wide": {"131072/1": 3400.0}},
+              "results": [
+                  {"mode": "replay", "setting": "wide", "compile_s": 2.0, "capture": {},
+                   "ms": {"131072/1": 3425.0}, "error": None},
+                  {"mode": "off", "setting": "default", "compile_s": 1.0, "capture": {},
+                   "ms": {"131072/1": 6850.0}, "error": None}]}
+    text = bench.render(report)
+    assert "## capture setting: default" not in text
+    assert "| 131072/1 | 6850.0 | 3425.0 | 3400.0 | 2.00x | 1.01 |" in text.split("## capture setting: wide")[1]
+
+
+def test_bench_refuses_a_run_with_every_point_filtered_out():
+    args = SimpleNamespace(isl=[131072], conc=[1], max_tokens_per_point=65536)
+    with pytest.raises(ValueError, match="above --max-tokens-per-point 65536 prompt tokens: nothing to measure"):
+        bench.run_bench(args)
+
+
 def test_render_has_the_table_shape_and_ratios():
     report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
               "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384, "trace_s": 30.0,
