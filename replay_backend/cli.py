@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--isl", type=_int_list, default=[1024, 4096, 8192, 32768])
     b.add_argument("--conc", type=_int_list, default=[1, 8])
     b.add_argument("--modes", type=lambda s: s.split(","), default=list(bench.MODES))
-    b.add_argument("--settings", type=lambda s: s.split(","), default=["default", "wide"])
+    b.add_argument("--settings", type=lambda s: s.split(","), default=["default", "wide"],
+                   help="capture settings of the graphed modes (default, wide); modes without "
+                        "this backend's graphs run once, at the default setting")
     b.add_argument("--runs", type=int, default=10)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--max-num-batched-tokens", type=int, default=16384)

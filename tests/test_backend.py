@@ -654,7 +654,7 @@ def test_static_graph_debug_mode_checks_every_replay():
 @pytest.mark.parametrize("fails", [False, True])
 def test_static_graph_capture_pauses_automatic_collection(fails):
     """Collection is off while a graph captures (a collection that frees a dropped graph
-    would invalidate a CUDA capture: the GPU test reproduces that) and back on after,
+    would invalidate a CUDA capture: the GPU test stages that) and back on after,
     also when the piece raises; a caller that had turned it off keeps it off."""
     import gc
 
