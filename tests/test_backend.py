@@ -681,6 +681,39 @@ def test_static_graph_capture_pauses_automatic_collection(fails):
     assert seen == [False, False]
 
 
+def test_static_graph_capture_frees_garbage_only_after_the_capture():
+    """The GPU test's case on the CPU: a reference cycle that becomes garbage while a
+    graph captures, with a collection due at every allocation, is freed after the
+    capture, not inside it (where destroying a CUDA graph invalidates the capture)."""
+    import gc
+
+    freed, capturing = [], [False]
+
+    class Sentinel:  # stands in for a dropped runner's CUDA graph
+        def __del__(self):
+            freed.append(capturing[0])
+
+    gc.collect()  # the cycle below starts in the youngest generation
+    holder = [[Sentinel()]]
+    holder[0].append(holder[0])
+    thresholds = gc.get_threshold()
+
+    def piece(x, w):
+        capturing[0] = True
+        holder.clear()
+        gc.set_threshold(1, 1, 1)
+        [[i] for i in range(2000)]  # allocations, each of which would start a collection
+        capturing[0] = False
+        return _fn(x, w)
+
+    try:
+        StaticGraph("toy[4]", piece, (torch.randn(4, 3), torch.randn(3, 2)), GraphResources(use_cuda=False))
+        gc.collect()
+    finally:
+        gc.set_threshold(*thresholds)
+    assert freed == [False]
+
+
 def test_piece_runner_debug_mode_detects_a_moved_input():
     res = GraphResources(use_cuda=False, check_every_replay=True)
     level = GraphLevel("main", [4], size=4)
