@@ -24,26 +24,31 @@ def render(report: dict) -> str:
     by = {(r["setting"], r["mode"]): r for r in report["results"]}
     graphed = {s for (s, m) in by if m not in UNGRAPHED}
     for setting in ("default", "wide"):
-        if graphed and setting not in graphed:
-            continue  # only the ungraphed modes ran here: they are in the other table
+        if setting not in graphed and (graphed or setting != "default"):
+            continue  # only the ungraphed modes ran here: they are in another table
         rows = {k for (s, _), r in by.items() if s in (setting, "default") for k in r["ms"]}
         if not rows:
             continue
         modes = [m for m in MODES if (setting, m) in by or (setting == "wide" and ("default", m) in by)]
+        ratios = "replay" in modes  # without it, only the times: no ratio has a numerator
+        others = [m for m in modes if m != "replay"] if ratios else []
         lines.append(f"\n## capture setting: {setting}\n")
-        head = "| ISL/conc | " + " | ".join(f"{m} ms" for m in modes) + " | floor ms | " + \
-            " | ".join(f"replay speed-up vs {m}" for m in modes if m != "replay") + " | replay / floor |"
+        head = "| ISL/conc | " + " | ".join(f"{m} ms" for m in modes) + " |" + (
+            " floor ms | " + "".join(f"replay speed-up vs {m} | " for m in others) + "replay / floor |"
+            if ratios else "")
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for key in sorted(rows, key=lambda k: tuple(int(x) for x in k.split("/"))):
             def ms(m):
                 r = by.get((setting, m)) or by.get(("default", m))
                 return r["ms"].get(key) if r else None
 
-            rep = ms("replay")
-            floor = report["floor_ms"].get(setting, {}).get(key)
-            cells = [_fmt(ms(m), "{:.1f}") for m in modes] + [_fmt(floor, "{:.1f}")]
-            cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in modes if m != "replay"]
-            cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
+            cells = [_fmt(ms(m), "{:.1f}") for m in modes]
+            if ratios:
+                rep = ms("replay")
+                floor = report["floor_ms"].get(setting, {}).get(key)
+                cells.append(_fmt(floor, "{:.1f}"))
+                cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in others]
+                cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
     probes = report.get("host_probe") or {}
     if probes:

@@ -2,7 +2,7 @@
 # Runs on the GPU machine: install without network, GPU tests, then the benchmark.
 # usage: bash scripts/gpu_run.sh OUTDIR [bench args...]
 # env: SKIP_TESTS=1, TEST_TIMEOUT=s, ACCURACY_PROBE="accuracy_probe.py args", PROBE_TIMEOUT=s,
-#      TRIM_PROBES=1 (row_moves_probe.py, then trim_probe.py on both trim paths),
+#      TRIM_PROBES=1 (row_moves_probe.py, graph_launch_probe.py, then trim_probe.py on both trim paths),
 #      BENCH_TIMEOUT=s, WARM_COMPILE=1 (a second, warm compile-only run)
 set -uo pipefail
 out="${1:?outdir}"; shift
@@ -20,10 +20,11 @@ if [ -n "${ACCURACY_PROBE:-}" ]; then  # e.g. ACCURACY_PROBE="--layers 4,21,40 -
 fi
 if [ "${TRIM_PROBES:-0}" = 1 ]; then
     timeout 120 python3 scripts/row_moves_probe.py 2>&1 | tee "$out/row_moves_probe.log" | tail -4
+    timeout 120 python3 scripts/graph_launch_probe.py 2>&1 | tee "$out/graph_launch_probe.log"
     for isl in 1024 2048; do
         timeout 120 python3 scripts/trim_probe.py --preset mini-2k --layers 8 --isl "$isl" --steps 50 \
             > "$out/trim_probe_$isl.log" 2>&1
-        grep -E "^(step|trim op|  )" "$out/trim_probe_$isl.log" | head -16
+        grep -E "^(step|trim op|  )" "$out/trim_probe_$isl.log" | head -24
     done
 fi
 if [ "$#" -gt 0 ]; then

@@ -9,6 +9,9 @@ gathers and scatter as graphs, trim_io.py), ``--isl 2048`` the path of steps who
 layers run without graphs (a gather per row tensor, then a fill and a scatter of the
 output). ``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to
 compile; the trim op's host work does not depend on the layer count).
+
+On the GPU it then looks at where the op waits for the device inside real steps
+(``trim_launches.py``; docs/benchmarks.md, trim op host time).
 """
 from __future__ import annotations
 
@@ -57,10 +60,14 @@ def main() -> None:
     runner.capture()
     rep = be.model.replay
 
-    def prompts(tag: str, n: int) -> list[float]:
-        """``n`` one-prompt prefills; the region's host time (us) in each."""
+    def prompts(tag: str, n: int, spin: int = 0) -> list[float]:
+        """``n`` one-prompt prefills; the region's host time (us) in each. ``spin``: a
+        kernel of that many cycles queued first, so the host launches the whole step
+        while the device is busy (as in a GPU-bound step)."""
         region = []
         for i in range(n):
+            if spin:
+                torch.cuda._sleep(spin)
             runner.prefill({f"{tag}{i}": args.isl})
             runner.free(f"{tag}{i}")
             region.append(rep._region_s * 1e6)
@@ -87,6 +94,10 @@ def main() -> None:
     for k, v in phases.items():
         print(f"  {k}: median {statistics.median(v):.1f} us over {len(v)}")
     print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")
+    if cuda:
+        from trim_launches import study  # beside this script
+
+        study(runner, rep, prompts, last, args.steps)
     prof = cProfile.Profile()
     call = type(rep).__call__
 

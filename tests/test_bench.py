@@ -67,6 +67,19 @@ def test_ungraphed_modes_run_once_when_only_the_wide_setting_is_asked_for():
     assert "| 131072/1 | 6850.0 | 3425.0 | 3400.0 | 2.00x | 1.01 |" in text.split("## capture setting: wide")[1]
 
 
+def test_a_run_of_ungraphed_modes_alone_has_one_table_of_times():
+    """Without this backend's graphed modes, both settings' tables would be the same
+    runs, and without ``replay`` no ratio has a numerator."""
+    report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
+              "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384, "floor_ms": {},
+              "results": [{"mode": m, "setting": "default", "compile_s": 1.0, "capture": {},
+                           "ms": {"131072/1": ms}, "error": None}
+                          for m, ms in (("off", 8442.4), ("reduce-overhead", 8561.9))]}
+    text = bench.render(report)
+    assert text.count("## capture setting") == 1 and "## capture setting: default" in text
+    assert "| ISL/conc | off ms | reduce-overhead ms |\n|---|---|---|\n| 131072/1 | 8442.4 | 8561.9 |" in text
+
+
 def test_bench_refuses_a_run_with_every_point_filtered_out():
     args = SimpleNamespace(isl=[131072], conc=[1], max_tokens_per_point=65536)
     with pytest.raises(ValueError, match="above --max-tokens-per-point 65536 prompt tokens: nothing to measure"):
