@@ -69,7 +69,7 @@ def step_order(order, gather_scatter, x) -> None:
         sum(range(3000))
     between = {"nothing": None, "a tiny kernel": lambda: x.add_(1), "Python work": python_work}
     for state, gap in [("idle", "nothing"), ("busy", "nothing"), ("idle", "a tiny kernel"),
-                       ("idle", "Python work")]:
+                       ("busy", "a tiny kernel"), ("idle", "Python work")]:
         per: dict[int, list[float]] = {}
         for _ in range(50):
             torch.cuda.synchronize()
