@@ -152,7 +152,7 @@ def runtime_calls(prompts) -> None:
         prompts("t", 5)
         torch.cuda.synchronize()
     calls = [e for e in prof.key_averages() if e.key.startswith("cu")]
-    print("  CUDA runtime calls in 5 steps (the profiler's tracing slows graph launches): " + "; ".join(
+    print("  CUDA runtime calls in 5 steps, from the profiler: " + "; ".join(
         f"{e.key} {e.count}x avg {e.cpu_time_total / e.count:.1f} us"
         for e in sorted(calls, key=lambda e: -e.cpu_time_total)[:8]))
 
