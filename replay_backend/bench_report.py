@@ -78,7 +78,8 @@ def render(report: dict) -> str:
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
     if report.get("trim_host_us_median") is not None:
         lines.append("\ntrim op host time per trimming step of the timed runs (the op without the region "
-                     f"it runs): median {report['trim_host_us_median']:.0f} us")
+                     f"it runs): median {report['trim_host_us_median']:.0f} us (wall time: it holds any "
+                     "wait for the device inside the op's CUDA calls)")
         for r in report["results"]:
             if r.get("trim_host_us"):
                 lines.append(f"- {r['setting']}/{r['mode']}: " + ", ".join(

@@ -101,7 +101,7 @@ def test_render_has_the_table_shape_and_ratios():
     assert "| 1024/1 | 100.0 | 25.0 | 20.0 | 4.00x | 1.25 |" in text
     assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB" in text
     assert "trim op host time per trimming step of the timed runs (the op without the region it runs): " \
-           "median 80 us" in text
+           "median 80 us (wall time: it holds any wait for the device inside the op's CUDA calls)" in text
     assert "- default/replay: 1024/1: 80 us" in text
 
 
