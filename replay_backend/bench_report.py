@@ -31,7 +31,7 @@ def render(report: dict) -> str:
             continue
         modes = [m for m in MODES if (setting, m) in by or (setting == "wide" and ("default", m) in by)]
         ratios = "replay" in modes  # without it, only the times: no ratio has a numerator
-        others = [m for m in modes if m != "replay"] if ratios else []
+        others = [m for m in modes if m != "replay"]
         lines.append(f"\n## capture setting: {setting}\n")
         head = "| ISL/conc | " + " | ".join(f"{m} ms" for m in modes) + " |" + (
             " floor ms | " + "".join(f"replay speed-up vs {m} | " for m in others) + "replay / floor |"

@@ -121,9 +121,12 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     """Median TTFT of every mode at one point, timed in turns; then for ``replay`` its
     trim host time and kernel floor, and the profiles asked for."""
     point = f"{isl}/{conc}"
-    warm = {id(m): [m.ttft(isl, conc, f"w{w}") for w in range(args.warmup)] for m in modes}
-    if args.warmup:  # a run cut short inside a long point still says how long a run takes
-        print(f"{point} warm-up: " + ", ".join(f"{m.run.mode}/{m.run.setting} {warm[id(m)][-1]:.1f} ms"
+    last_warm = {}
+    for m in modes:
+        for w in range(args.warmup):
+            last_warm[id(m)] = m.ttft(isl, conc, f"w{w}")
+    if last_warm:  # a run cut short inside a long point still says how long a run takes
+        print(f"{point} warm-up: " + ", ".join(f"{m.run.mode}/{m.run.setting} {last_warm[id(m)]:.1f} ms"
                                                for m in modes), flush=True)
     reps = {id(m): m.runner.backend.model.replay for m in modes if m.run.mode == "replay"}
     for rep in reps.values():
