@@ -2,6 +2,7 @@
 the GPU is doing when the host launches it.
 
 usage: python3 scripts/graph_launch_probe.py [--calls 200] [--nodes 1,4,16,64] [--rotation 1,10,100,1000]
+       [--depth 3000]
 
 For graphs of N tiny kernels, and for one tiny kernel launched directly, host time per
 launch (median of ``--calls``) in three states of the device:
@@ -10,7 +11,9 @@ launch (median of ``--calls``) in three states of the device:
   queued the spin and 2,000 tiny kernels are queued ahead of the launch.
 A launch that costs more when the device is busy waits for the device inside the
 launch: time the trim op spends so is not work of its own. Then graphs launched in
-turn, M different ones, as a step launches its pieces' graphs.
+turn, M different ones, as a step launches its pieces' graphs. Last, the depth of the
+launch queue: behind one long kernel, how many launches the host can queue before a
+launch blocks until the device retires work (``--depth``).
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--nodes", default="1,4,16,64")
     ap.add_argument("--rotation", default="1,10,100,1000", help="numbers of graphs launched in turn")
+    ap.add_argument("--depth", type=int, default=3000, help="launches queued behind a long kernel")
     args = ap.parse_args()
     args.rotation = [int(v) for v in args.rotation.split(",")]
     x = torch.zeros(4, device="cuda")
@@ -86,6 +90,30 @@ def main() -> None:
             times.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
         print(f"  {m:>5} graphs in turn: {statistics.median(times):.1f}")
+    # A launch blocks when the queue between host and device is full: then its host time
+    # is the device's, however little the launch itself costs.
+    print(f"\nlaunch queue depth: {args.depth} launches behind a ~50 ms spin")
+    for name, launch in [("tiny kernels", lambda: y.add_(1)), ("graphs of 1 kernel", graph_of(1, y).replay),
+                         ("graphs of 64 kernels", graph_of(64, y).replay)]:
+        print(f"  {name}: {queue_depth(launch, args.depth)}")
+
+
+def queue_depth(launch, n: int) -> str:
+    """Host time of each of ``n`` launches queued behind a ~50 ms spin: where they start
+    to block (waiting for the device to retire work) and for how long."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(25 * SPIN_CYCLES)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        launch()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    slow = [i for i, t in enumerate(times) if t > 500]
+    if not slow:
+        return f"no launch of {n} blocked (max {max(times):.0f} us)"
+    return (f"launch {slow[0]} is the first to block ({times[slow[0]]:.0f} us; the {slow[0]} before it "
+            f"median {statistics.median(times[:slow[0]] or [0]):.1f} us); {len(slow)} of {n} blocked")
 
 
 if __name__ == "__main__":

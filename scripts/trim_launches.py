@@ -8,6 +8,8 @@ its own figures): does the op wait for the device, and at which launch?
 * every graph launch of real steps timed where the step makes it; then again with the
   device synchronised (untimed) before each: the launch alone, whether the device was
   still busy, and the op's time without those waits;
+* the same with K tiny kernels queued at the op's entry: a launch queue that fills up
+  makes the region's launches block instead (graph_launch_probe.py measures its depth);
 * the scatter as one row-moves launch instead of its graph, at the same place;
 * the CUDA runtime calls of five steps, as the profiler sees them.
 """
@@ -124,6 +126,33 @@ def real_launches(rep, prompts, steps: int) -> None:
           f"median {statistics.median(own):.1f}")
 
 
+def extra_launches(rep, prompts, steps: int, x: torch.Tensor) -> None:
+    """Real steps with ``k`` tiny kernels launched just before the op (outside its timer):
+    if launches block because the queue to the device is full, the extra entries make it
+    fill earlier, and the blocking moves from the scatter into the region's launches."""
+    replay = graphs.StaticGraph.replay
+    call = type(rep).__call__
+    for k in (100, 300, 1000):
+        launches: dict[str, list[float]] = {}
+
+        def timed(self, args):
+            t0 = time.perf_counter()
+            try:
+                return replay(self, args)
+            finally:
+                launches.setdefault(_kind(self), []).append((time.perf_counter() - t0) * 1e6)
+
+        def crowded(self, *a):
+            for _ in range(k):
+                x.add_(1)
+            return call(self, *a)
+        rep.host_us.clear()
+        with patched(graphs.StaticGraph, "replay", timed), patched(type(rep), "__call__", crowded):
+            prompts(f"k{k}-", steps)
+        print(f"  {k} tiny kernels queued at the op's entry: op {statistics.median(rep.host_us):.1f} us; launches "
+              "median / max: " + ", ".join(f"{n} {statistics.median(v):.1f} / {max(v):.0f}" for n, v in launches.items()))
+
+
 def eager_scatter(runner, rep, prompts, steps: int, isl: int) -> None:
     took: list[float] = []
 
@@ -172,5 +201,6 @@ def study(runner, rep, prompts, last, steps: int) -> None:
     step_order([*main[:len(main) // 2], gather_scatter[0], *region, gather_scatter[1], *main[len(main) // 2:]],
                gather_scatter, x)
     real_launches(rep, prompts, steps)
+    extra_launches(rep, prompts, steps, x)
     eager_scatter(runner, rep, prompts, steps, last.batch.num_tokens)
     runtime_calls(prompts)

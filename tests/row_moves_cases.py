@@ -48,3 +48,23 @@ def check_against_indexing(device: str) -> None:
     assert not seen, seen
     if device == "cuda":  # the cases after the first of each build ran from the kept build
         assert moves._builds
+        check_cuda_launches(moves, srcs)
+
+
+def check_cuda_launches(moves, srcs) -> None:
+    """The kept builds launch on the current stream, with raw pointers, so they must
+    follow that stream's order and must refuse a host tensor before launching."""
+    rows_t = torch.tensor([1, 50, T - 1], device="cuda")
+    bufs = [torch.zeros((3, *x.shape[1:]), dtype=x.dtype, device="cuda") for x in srcs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~25 ms: a launch on another stream would run first
+        for x in srcs:
+            x.add_(1)
+        moves.gather(srcs, bufs, rows_t)
+    side.synchronize()
+    for x, b in zip(srcs, bufs):
+        assert torch.equal(b, x[rows_t]), "the kept build ran outside the current stream's order"
+    why = row_moves.fit([srcs[0].cpu()], [bufs[0]], rows_t, scatter=False)
+    assert isinstance(why, str) and "cpu" in why, why
