@@ -5,13 +5,15 @@ its own figures): does the op wait for the device, and at which launch?
 * the op's two graphs launched alone, in the device states of graph_launch_probe.py;
 * one step's graphs (main, gather, region, scatter) launched back to back in the step's
   order, with nothing, a tiny kernel or some Python between launches;
-* every graph launch of real steps timed where the step makes it; then again with the
-  device synchronised (untimed) before each: the launch alone, whether the device was
-  still busy, and the op's time without those waits;
+* every graph launch of real steps timed where the step makes it, with the prompts back
+  to back and with each waited for; then again with the device synchronised (untimed)
+  before each: the launch alone, whether the device was still busy, and the op's time
+  without those waits;
 * the same with K tiny kernels queued at the op's entry: a launch queue that fills up
   makes the region's launches block instead (graph_launch_probe.py measures its depth);
 * the scatter as one row-moves launch instead of its graph, at the same place;
-* the CUDA runtime calls of five steps, as the profiler sees them.
+* the launches a step queues, and the CUDA runtime calls of five steps, as the profiler
+  sees them.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def _kind(graph) -> str:
 
 def op_and_device(rep, prompts, steps: int) -> None:
     rep.host_us.clear()
-    prompts("b", steps, spin=20 * SPIN_CYCLES)
+    prompts("b", steps, spin=20 * SPIN_CYCLES)  # each prompt waited for: the spin covers one step
     busy = statistics.median(rep.host_us)
     call = type(rep).__call__
 
@@ -100,10 +102,14 @@ def real_launches(rep, prompts, steps: int) -> None:
             return replay(self, args)
         finally:
             launches.setdefault(_kind(self), []).append((time.perf_counter() - t0) * 1e6)
-    with patched(graphs.StaticGraph, "replay", timed):
-        prompts("s", steps)
-    print("  graph launches in real steps, host us median: " + ", ".join(
-        f"{k} {statistics.median(v):.1f} ({len(v) // steps}/step)" for k, v in launches.items()))
+    for sync in (False, True):  # prompts back to back, then each waited for (as the bench's runs)
+        launches.clear()
+        rep.host_us.clear()
+        with patched(graphs.StaticGraph, "replay", timed):
+            prompts("s", steps, sync=sync)
+        print(f"  graph launches in real steps, {'each prompt waited for' if sync else 'prompts back to back'}: "
+              f"op {statistics.median(rep.host_us):.1f} us; launches host us median / max: " + ", ".join(
+                  f"{k} {statistics.median(v):.1f} / {max(v):.0f} ({len(v) // steps}/step)" for k, v in launches.items()))
     busy: dict[str, list[bool]] = {}
     waits: dict[str, list[float]] = {}
 
@@ -148,7 +154,7 @@ def extra_launches(rep, prompts, steps: int, x: torch.Tensor) -> None:
             return call(self, *a)
         rep.host_us.clear()
         with patched(graphs.StaticGraph, "replay", timed), patched(type(rep), "__call__", crowded):
-            prompts(f"k{k}-", steps)
+            prompts(f"k{k}-", steps, sync=False)
         print(f"  {k} tiny kernels queued at the op's entry: op {statistics.median(rep.host_us):.1f} us; launches "
               "median / max: " + ", ".join(f"{n} {statistics.median(v):.1f} / {max(v):.0f}" for n, v in launches.items()))
 
@@ -181,6 +187,10 @@ def runtime_calls(prompts) -> None:
         prompts("t", 5)
         torch.cuda.synchronize()
     calls = [e for e in prof.key_averages() if e.key.startswith("cu")]
+    # Every launch and copy takes a slot of the queue to the device (about 1,020 deep:
+    # graph_launch_probe.py); a step that queues more than that makes the host wait.
+    queued = sum(e.count for e in calls if "Launch" in e.key or "Memcpy" in e.key or "Memset" in e.key)
+    print(f"  launches and copies queued per step: {queued / 5:.0f}")
     print("  CUDA runtime calls in 5 steps, from the profiler: " + "; ".join(
         f"{e.key} {e.count}x avg {e.cpu_time_total / e.count:.1f} us"
         for e in sorted(calls, key=lambda e: -e.cpu_time_total)[:8]))

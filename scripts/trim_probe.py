@@ -60,10 +60,12 @@ def main() -> None:
     runner.capture()
     rep = be.model.replay
 
-    def prompts(tag: str, n: int, spin: int = 0) -> list[float]:
+    def prompts(tag: str, n: int, spin: int = 0, sync: bool = True) -> list[float]:
         """``n`` one-prompt prefills; the region's host time (us) in each. ``spin``: a
         kernel of that many cycles queued first, so the host launches the whole step
-        while the device is busy (as in a GPU-bound step)."""
+        while the device is busy (as in a GPU-bound step). ``sync``: wait for each
+        prompt, as the bench does at the end of each timed run; without it the host runs
+        prompts ahead until the launch queue to the device is full (trim_launches.py)."""
         region = []
         for i in range(n):
             if spin:
@@ -71,6 +73,8 @@ def main() -> None:
             runner.prefill({f"{tag}{i}": args.isl})
             runner.free(f"{tag}{i}")
             region.append(rep._region_s * 1e6)
+            if sync and cuda:
+                torch.cuda.synchronize()
         return region
 
     prompts("w", 5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -25,9 +25,10 @@ from .row_moves import RowMoves
 from .trim_io import TrimIO
 
 
-@dataclass(frozen=True)
-class TrimRecord:
-    """What the trim op did in one step (``StepOutput.trim``, ``verify --json``)."""
+class TrimRecord(NamedTuple):
+    """What the trim op did in one step (``StepOutput.trim``, ``verify --json``). A named
+    tuple: the op makes one per step, and a frozen dataclass costs several times as much
+    host time to build."""
 
     trimmed: bool
     rows: int  # replay rows when trimmed, else the step's tokens (both before padding)
