@@ -126,16 +126,6 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
         alias, t.storage_offset(), t.size(), t.stride())
 
 
-def current_raw_stream(device_index: int) -> int:
-    """The handle of ``device_index``'s current CUDA stream, as an int, for a direct
-    kernel launch: the private accessor Inductor's launches use (about a microsecond
-    faster than ``torch.cuda.current_stream``), where this torch has it."""
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get is not None:
-        return get(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
 def symbolic_dims(t) -> list[int]:
     """Indices of the dimensions of a (fake) tensor that are symbolic."""
     return [i for i, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and not _is_constant(s)]

@@ -52,8 +52,8 @@ def check_against_indexing(device: str) -> None:
 
 
 def check_cuda_launches(moves, srcs) -> None:
-    """The kept builds launch on the current stream, with raw pointers, so they must
-    follow that stream's order and must refuse a host tensor before launching."""
+    """The kept builds launch on the current stream, in its order, and a host tensor is
+    refused before any launch (a launcher error would disable the kernel for good)."""
     rows_t = torch.tensor([1, 50, T - 1], device="cuda")
     bufs = [torch.zeros((3, *x.shape[1:]), dtype=x.dtype, device="cuda") for x in srcs]
     side = torch.cuda.Stream()

@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import torch_compat
 from ..models._triton import tl, triton
 
 MAX_TENSORS = 6
@@ -112,7 +111,7 @@ def fit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torc
         return f"{len(srcs)} tensors (the kernel takes up to {MAX_TENSORS})"
     n, widths, cuda = rows_t.shape[0], [], rows_t.is_cuda
     for i, (a, b) in enumerate(zip(srcs, dsts)):
-        if a.is_cuda != cuda or b.is_cuda != cuda:  # kept builds take raw pointers: check here
+        if a.is_cuda != cuda or b.is_cuda != cuda:  # the launcher's error would disable the kernel
             return f"tensor {i}: on {a.device} / {b.device} with the rows on {rows_t.device}"
         if a.dtype != b.dtype:
             return f"tensor {i}: {a.dtype} into {b.dtype}"
@@ -140,22 +139,15 @@ def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[to
         return
     widths = widths if widths is not None else [_row_width(x) for x in srcs]
     pad = MAX_TENSORS - k  # unused slots never run: the grid has k columns
+    args = (rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad)
     consts = (scatter, search_steps(n) if scatter else 0, BLOCK, row_blocks(max(widths)))
     grid = (grid_rows, k, 1)
     # Pad slots repeat tensor 0 and fit() checked each pair's dtypes: this fixes the build.
-    device = rows_t.device.index
-    key = (device, rows_t.dtype, consts, *(x.dtype for x in srcs))
+    key = (rows_t.device.index, rows_t.dtype, consts, *(x.dtype for x in srcs))
     build = builds.get(key) if builds is not None else None
     if build is not None:
-        # The kept build takes pointers as ints and the stream given: its launcher then
-        # neither calls ``data_ptr()`` and asks the driver about each of the 13 pointers
-        # nor looks up the current device and stream (fit() checked the devices).
-        s0, d0 = srcs[0].data_ptr(), dsts[0].data_ptr()
-        args = (rows_t.data_ptr(), n, *[x.data_ptr() for x in srcs], *[s0] * pad,
-                *[x.data_ptr() for x in dsts], *[d0] * pad, *widths, *[0] * pad)
-        build[grid](*args, *consts, stream=torch_compat.current_raw_stream(device))  # constexprs too
+        build[grid](*args, *consts)  # a build takes every argument, constexprs included
         return
-    args = (rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad)
     build = _move[grid](*args, SCATTER=consts[0], SEARCH_STEPS=consts[1], BLOCK=consts[2], ROW_BLOCKS=consts[3])
     if builds is not None and hasattr(build, "__getitem__"):  # not under the interpreter
         builds[key] = build
