@@ -44,6 +44,19 @@ def _kind(graph) -> str:
     return graph.name.split(":")[0].split("[")[0]
 
 
+def timed_replay(launches: dict[str, list[float]]):
+    """``StaticGraph.replay`` that adds each launch's host time (us) to ``launches`` by kind."""
+    replay = graphs.StaticGraph.replay
+
+    def timed(self, args):
+        t0 = time.perf_counter()
+        try:
+            return replay(self, args)
+        finally:
+            launches.setdefault(_kind(self), []).append((time.perf_counter() - t0) * 1e6)
+    return timed
+
+
 def op_and_device(rep, prompts, steps: int) -> None:
     rep.host_us.clear()
     prompts("b", steps, spin=20 * SPIN_CYCLES)  # each prompt waited for: the spin covers one step
@@ -93,15 +106,8 @@ def step_order(order, gather_scatter, x) -> None:
 
 
 def real_launches(rep, prompts, steps: int) -> None:
-    replay = graphs.StaticGraph.replay
     launches: dict[str, list[float]] = {}
-
-    def timed(self, args):
-        t0 = time.perf_counter()
-        try:
-            return replay(self, args)
-        finally:
-            launches.setdefault(_kind(self), []).append((time.perf_counter() - t0) * 1e6)
+    timed = timed_replay(launches)
     for sync in (False, True):  # prompts back to back, then each waited for (as the bench's runs)
         launches.clear()
         rep.host_us.clear()
@@ -136,24 +142,16 @@ def extra_launches(rep, prompts, steps: int, x: torch.Tensor) -> None:
     """Real steps with ``k`` tiny kernels launched just before the op (outside its timer):
     if launches block because the queue to the device is full, the extra entries make it
     fill earlier, and the blocking moves from the scatter into the region's launches."""
-    replay = graphs.StaticGraph.replay
     call = type(rep).__call__
     for k in (100, 300, 1000):
         launches: dict[str, list[float]] = {}
-
-        def timed(self, args):
-            t0 = time.perf_counter()
-            try:
-                return replay(self, args)
-            finally:
-                launches.setdefault(_kind(self), []).append((time.perf_counter() - t0) * 1e6)
 
         def crowded(self, *a):
             for _ in range(k):
                 x.add_(1)
             return call(self, *a)
         rep.host_us.clear()
-        with patched(graphs.StaticGraph, "replay", timed), patched(type(rep), "__call__", crowded):
+        with patched(graphs.StaticGraph, "replay", timed_replay(launches)), patched(type(rep), "__call__", crowded):
             prompts(f"k{k}-", steps, sync=False)
         print(f"  {k} tiny kernels queued at the op's entry: op {statistics.median(rep.host_us):.1f} us; launches "
               "median / max: " + ", ".join(f"{n} {statistics.median(v):.1f} / {max(v):.0f}" for n, v in launches.items()))
