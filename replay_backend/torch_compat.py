@@ -314,3 +314,13 @@ def compiled_callables(fn) -> list:
             if name.startswith("__compiled_fn") and name in scope:
                 out.append(inspect.unwrap(scope[name]))
     return out
+
+
+def raw_stream_getter() -> Callable[[int], int]:
+    """``index -> the current stream's handle`` on CUDA device ``index``: the private C
+    call where this torch has it (what Triton uses too), else the public one, which goes
+    through a Stream object."""
+    fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fast is not None:
+        return fast
+    return lambda index: torch.cuda.current_stream(index).cuda_stream

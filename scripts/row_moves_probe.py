@@ -1,6 +1,7 @@
 """The trim op's one-launch row moves against the PyTorch ops (GPU): the same result, and
-the host time per call of each (the kernel through Triton's entry and as RowMoves
-launches it, from its kept build), on mini-2k's boundary tensors.
+the host time per call of each (the kernel through Triton's entry; as RowMoves launches
+it, from its kept build and checks, directly; and the same through Triton's launch path),
+on mini-2k's boundary tensors.
 
 usage: python3 scripts/row_moves_probe.py [--tokens 8192] [--calls 200]
 
@@ -47,6 +48,14 @@ def main() -> None:
     kernel = row_moves.RowMoves(lambda reason, detail: seen.append(detail))
     kernel.gather(rows, bufs, rows_t)
     kernel.scatter(res, outs, rows_t)
+    # The same, but its kept builds launched through Triton's launch path (build[grid]).
+    via_triton = row_moves.RowMoves(lambda reason, detail: seen.append(detail))
+    direct, row_moves.direct_launcher = row_moves.direct_launcher, lambda build: None
+    try:
+        via_triton.gather(rows, bufs, rows_t)
+        via_triton.scatter(res, outs, rows_t)
+    finally:
+        row_moves.direct_launcher = direct
     torch.cuda.synchronize()
     assert not seen, seen
     for x, b in zip(rows, bufs):
@@ -65,14 +74,15 @@ def main() -> None:
         outs[0].index_copy_(0, rows_t, res[0][:128])
     # "Triton's entry": the build found from the arguments on each call, as RowMoves did
     # before it kept its builds (row_moves.launch without ``builds``).
-    for name, ops, entry, kept in (
+    for name, ops, entry, kept, launch_path in (
             ("gather", ops_gather, lambda: row_moves.launch(rows_t, rows, bufs, False),
-             lambda: kernel.gather(rows, bufs, rows_t)),
+             lambda: kernel.gather(rows, bufs, rows_t), lambda: via_triton.gather(rows, bufs, rows_t)),
             ("scatter", ops_scatter, lambda: row_moves.launch(rows_t, res, outs, True),
-             lambda: kernel.scatter(res, outs, rows_t))):
-        a, b, c = (host_us(fn, args.calls) for fn in (ops, entry, kept))
+             lambda: kernel.scatter(res, outs, rows_t), lambda: via_triton.scatter(res, outs, rows_t))):
+        a, b, c, d = (host_us(fn, args.calls) for fn in (ops, entry, kept, launch_path))
         print(f"{name}: PyTorch ops {a:.1f} us, one launch through Triton's entry {b:.1f} us, "
-              f"with the kept build {c:.1f} us per call (host, median of {args.calls})")
+              f"RowMoves {c:.1f} us (its kept build through Triton's launch path {d:.1f} us) "
+              f"per call (host, median of {args.calls})")
 
 
 if __name__ == "__main__":

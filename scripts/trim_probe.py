@@ -2,12 +2,12 @@
 of one prompt after another, as in served steps, then a cProfile of the op without its
 region.
 
-usage: python3 scripts/trim_probe.py [--preset tiny] [--layers N] [--isl 1024] [--steps 50]
+usage: python3 scripts/trim_probe.py [--preset tiny] [--layers N] [--isl 1024] [--steps 50] [--no-study]
 
 The main sizes captured are 512 and 1024: ``--isl 1024`` takes the graphed path (the
 gathers and scatter as graphs, trim_io.py), ``--isl 2048`` the path of steps whose main
-layers run without graphs (a gather per row tensor, then a fill and a scatter of the
-output). ``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to
+layers run without graphs (one row-moves launch each way, row_moves.py; their host
+times are printed too). ``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to
 compile; the trim op's host work does not depend on the layer count).
 
 On the GPU it then looks at where the op waits for the device inside real steps
@@ -25,10 +25,11 @@ import torch
 
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
+from replay_backend.bench_timing import host_probe
 from replay_backend.config import ReplayConfig
 from replay_backend.models import build_model, preset
 from replay_backend.runner import StepRunner
-from replay_backend.runtime import trim_io
+from replay_backend.runtime import row_moves, trim_io
 
 
 def _timed(cls, name: str, into: dict) -> None:
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--isl", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--no-study", action="store_true", help="skip trim_launches.py's study (GPU)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()  # on the CPU the graphs are emulated: a smoke test only
     cfg = preset(args.preset)
@@ -81,6 +83,8 @@ def main() -> None:
     phases: dict = {}
     _timed(trim_io.TrimIO, "stage", phases)
     _timed(trim_io.TrimIO, "run", phases)  # includes the region
+    for name in ("gather", "scatter"):  # the path without trim I/O graphs
+        _timed(row_moves.RowMoves, name, phases)
     rep.host_us.clear()
     region_us = prompts("m", args.steps)
     op_us = list(rep.host_us)
@@ -98,7 +102,8 @@ def main() -> None:
     for k, v in phases.items():
         print(f"  {k}: median {statistics.median(v):.1f} us over {len(v)}")
     print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")
-    if cuda:
+    print("host speed (small CPU op / tiny CUDA launch, us):", host_probe())
+    if cuda and not args.no_study:
         from trim_launches import study  # beside this script
 
         study(runner, rep, prompts, last, args.steps)

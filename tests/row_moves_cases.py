@@ -47,7 +47,7 @@ def check_against_indexing(device: str) -> None:
     assert all(torch.equal(x, c) for x, c in zip(srcs, copies))
     assert not seen, seen
     if device == "cuda":  # the cases after the first of each build ran from the kept build
-        assert moves._builds
+        assert moves._launchers
         check_cuda_launches(moves, srcs)
 
 

@@ -80,13 +80,17 @@ def test_trimmed_steps_without_main_graphs_run_the_kernel_and_match_the_oracle()
 def test_fit_gives_the_row_widths_or_names_the_tensor_and_the_problem():
     rows_t = torch.tensor([1, 3])
     x = torch.zeros(5, 4)
-    assert row_moves.fit([x, torch.zeros(5, 2, 3), torch.zeros(5)], [torch.zeros(4, 4), torch.zeros(2, 2, 3),
-                         torch.zeros(2)], rows_t, scatter=False) == [4, 6, 1]
+    assert row_moves.fit([x, torch.zeros(5, 2, 3), torch.zeros(5)], [torch.zeros(4, 4), torch.zeros(4, 2, 3),
+                         torch.zeros(4)], rows_t, scatter=False) == [4, 6, 1]
+    # every source (and every destination) has tensor 0's rows: the plan is kept by those
+    assert "tensor 1: 5 / 3 rows for 2 replay rows" in \
+        row_moves.fit([x, x], [torch.zeros(4, 4), torch.zeros(3, 4)], rows_t, scatter=False)
     assert "tensor 0: torch.float32 into torch.bfloat16" in \
         row_moves.fit([x], [torch.zeros(4, 4, dtype=torch.bfloat16)], rows_t, scatter=False)
     assert "tensor 1: rows not contiguous" in \
         row_moves.fit([x, x.t()], [x, x.t().contiguous()], rows_t, scatter=False)
-    assert "7 tensors" in row_moves.fit([x] * 7, [x] * 7, rows_t, scatter=False)
+    assert "7 tensors into 7" in row_moves.fit([x] * 7, [x] * 7, rows_t, scatter=False)
+    assert "2 tensors into 1" in row_moves.fit([x] * 2, [x], rows_t, scatter=False)
     assert "1 / 5 rows for 2 replay rows" in row_moves.fit([x[:1]], [x], rows_t, scatter=True)
 
 
@@ -113,3 +117,35 @@ def test_a_failing_kernel_is_a_counted_fallback_and_the_ops_still_serve(monkeypa
         raise StrictFallbackError(f"{reason}: {detail}")
     with pytest.raises(StrictFallbackError, match="row_moves_kernel: trim op row moves: the kernel failed"):
         row_moves.RowMoves(strict).gather([x], [buf], rows_t)
+
+
+def test_layouts_are_checked_once_per_signature_and_the_row_count_every_call(monkeypatch):
+    """The kernel's branch on the CPU with a stand-in build: the checks run once per
+    (direction, tensor count, row counts), the first launch goes through Triton's entry
+    and later ones through the kept build, and more replay rows than the kept limit are
+    refused (a counted fallback) instead of written past the buffer."""
+    monkeypatch.setattr(row_moves, "_INTERPRET", True)
+    monkeypatch.setattr(row_moves, "triton", object())
+    checks, entry, kept = [], [], []
+    fit = row_moves.fit
+    monkeypatch.setattr(row_moves, "fit", lambda *a: checks.append(a[3]) or fit(*a))
+
+    class Build:  # what Triton's entry returns; no launcher parts, so launched as build[grid]
+        def __getitem__(self, grid):
+            return lambda *args: kept.append((grid, args))
+    monkeypatch.setattr(row_moves, "launch", lambda *a: entry.append(a[3]) or Build())
+    seen = []
+    moves = row_moves.RowMoves(lambda reason, detail: seen.append(detail))
+    moves._stream = lambda index: 0  # no CUDA stream here
+    x, buf = torch.zeros(6, 3), torch.zeros(4, 3)
+    for picked in ([1, 3], [0, 2, 5], [4]):
+        moves.gather([x, x], [buf, buf], torch.tensor(picked))
+    assert checks == [False] and entry == [False] and len(kept) == 2
+    grid, args = kept[-1]
+    assert grid == (1, 2, 1) and args[1] == 1 and args[14:20] == (3, 3, 0, 0, 0, 0), (grid, args[:2], args[14:])
+    moves.scatter([buf], [x], torch.tensor([1, 3]))  # a new signature: checked, then Triton's entry
+    assert checks == [False, True] and entry == [False, True]
+    with pytest.raises(IndexError, match="Number of indices"):  # the PyTorch ops refuse it too
+        moves.scatter([buf], [x], torch.tensor([0, 1, 2, 3, 4]))
+    assert seen == ["trim op row moves: 5 replay rows for 4 rows; a launch per tensor instead"], seen
+    assert checks == [False, True] and len(kept) == 2

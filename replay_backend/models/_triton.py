@@ -2,6 +2,8 @@
 their PyTorch reference where ``available()`` is false (CPU machines without it)."""
 from __future__ import annotations
 
+from typing import Callable
+
 try:
     import triton
     import triton.language as tl
@@ -11,3 +13,35 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 def available() -> bool:
     return triton is not None
+
+
+def direct_launcher(build) -> Callable | None:
+    """A launch of ``build`` (a kernel's compiled build, as ``kernel[grid](...)``
+    returns it) without Triton's per-call Python layers, or None where this Triton's
+    build lacks the parts it calls. Call it as ``launch(grid, stream, *args)`` with every
+    argument of the kernel, constexprs included.
+
+    ``build[grid](*args)`` asks torch for the current device and stream, builds a
+    launch-metadata dict, and hands the launcher the two launch-hook chains, which it
+    calls around the launch even when they are empty: host time on every launch. The
+    direct call gives the stream and no hooks. While a launch hook is registered (a
+    profiler such as Proton) every launch goes through Triton's path, so the hook sees it.
+    """
+    launcher = getattr(build, "run", None)  # the compiled launcher (its handles are loaded)
+    function, meta = getattr(build, "function", None), getattr(build, "packed_metadata", None)
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if launcher is None or function is None or meta is None or runtime is None:
+        return None
+
+    def launch(grid, stream, *args) -> None:
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if _hooked(enter) or _hooked(leave):
+            build[grid](*args, stream=stream)
+        else:
+            launcher(grid[0], grid[1], grid[2], stream, function, meta, None, None, None, *args)
+    return launch
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is set: ``None`` (older Triton) or an empty chain (3.5 on) is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -13,17 +13,20 @@ The scatter finds a main row's replay row by binary search in the replay rows, w
 ``MAX_TENSORS`` tensors of any dtypes, each with contiguous rows. On the CPU the
 PyTorch ops run; on CUDA so do they, as a counted fallback, where Triton is missing, a
 layout does not fit or the kernel fails to build. The checks use shapes only (Python
-ints): they run every step, and a tensor view per check would cost what the kernel saves.
+ints), and run once per signature of the tensors (``RowMoves``): run per step, they cost
+about as much host time as one of the launches.
 """
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from ..models._triton import tl, triton
+from .. import torch_compat
+from ..models._triton import direct_launcher, tl, triton
 
 MAX_TENSORS = 6
 BLOCK = 1024
@@ -48,7 +51,7 @@ if triton is not None:
     # direction and dtype signature serves every step (warmed at capture, ``RowMoves.warm``).
     # Nor is pointer alignment: a row starts at ``row * width`` for a width the build does
     # not know, so alignment would not widen a load, and the build is then fixed by the
-    # dtypes and constexprs alone (the key of ``RowMoves._builds``).
+    # dtypes and constexprs alone (``Plan.key``).
     @triton.jit(do_not_specialize=["n", "w0", "w1", "w2", "w3", "w4", "w5"],
                 do_not_specialize_on_alignment=["rows", "s0", "s1", "s2", "s3", "s4", "s5",
                                                 "d0", "d1", "d2", "d3", "d4", "d5"])
@@ -107,8 +110,8 @@ def search_steps(n: int) -> int:
 def fit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torch.Tensor,
         scatter: bool) -> list[int] | str:
     """The row widths of the (src, dst) pairs, or why the kernel cannot move them."""
-    if len(srcs) > MAX_TENSORS:
-        return f"{len(srcs)} tensors (the kernel takes up to {MAX_TENSORS})"
+    if not 0 < len(srcs) <= MAX_TENSORS or len(srcs) != len(dsts):
+        return f"{len(srcs)} tensors into {len(dsts)} (the kernel takes 1 to {MAX_TENSORS} pairs)"
     n, widths, cuda = rows_t.shape[0], [], rows_t.is_cuda
     for i, (a, b) in enumerate(zip(srcs, dsts)):
         if a.is_cuda != cuda or b.is_cuda != cuda:  # the launcher's error would disable the kernel
@@ -118,59 +121,119 @@ def fit(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torc
         w = _row_width(a)
         if w is None or w != _row_width(b):
             return f"tensor {i}: rows not contiguous or of unequal widths ({tuple(a.shape)}, {tuple(b.shape)})"
-        if (a if scatter else b).shape[0] < n or (scatter and b.shape[0] != dsts[0].shape[0]):
+        if (a if scatter else b).shape[0] < n or a.shape[0] != srcs[0].shape[0] or b.shape[0] != dsts[0].shape[0]:
             return f"tensor {i}: {a.shape[0]} / {b.shape[0]} rows for {n} replay rows"
         widths.append(w)
     return widths
 
 
-def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
-           scatter: bool, widths: list[int] | None = None, builds: dict | None = None) -> None:
-    """The kernel over ``len(srcs)`` (src, dst) pairs: gather ``dsts[i][:n] =
-    srcs[i][rows_t]``, or scatter ``dsts[i][rows_t] = srcs[i][:n]`` with the other rows
-    of ``dsts[i]`` zero (n = len(rows_t)). ``widths``: as :func:`fit` gives them.
+class Plan(NamedTuple):
+    """The checked layout of one signature (direction, tensor count, the sources' and the
+    destinations' row count): what each launch for it passes besides the tensors."""
 
-    ``builds`` keeps each build by its key and launches it directly afterwards: Triton's
-    own entry derives the build from all 20 arguments on every call, which cost about as
-    much host time as the PyTorch ops it replaces (scripts/row_moves_probe.py)."""
-    k, n = len(srcs), rows_t.shape[0]
-    grid_rows = dsts[0].shape[0] if scatter else n
-    if not grid_rows:
-        return
-    widths = widths if widths is not None else [_row_width(x) for x in srcs]
-    pad = MAX_TENSORS - k  # unused slots never run: the grid has k columns
-    args = (rows_t, n, *srcs, *[srcs[0]] * pad, *dsts, *[dsts[0]] * pad, *widths, *[0] * pad)
-    consts = (scatter, search_steps(n) if scatter else 0, BLOCK, row_blocks(max(widths)))
-    grid = (grid_rows, k, 1)
+    k: int  # tensors
+    limit: int  # most replay rows a launch may move: the rows of the side they index
+    widths: tuple[int, ...]  # row widths, then zeros for the unused slots
+    consts: tuple  # SCATTER, SEARCH_STEPS, BLOCK, ROW_BLOCKS
+    device: int | None  # the CUDA device, for its current stream
+    key: tuple  # the build's key: the constexprs and dtypes fix it
+
+
+def make_plan(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t: torch.Tensor,
+              scatter: bool) -> Plan | str:
+    """:func:`fit`'s checks, then the launch arguments they fix, or why the kernel
+    cannot move these tensors."""
+    widths = fit(srcs, dsts, rows_t, scatter)
+    if isinstance(widths, str):
+        return widths
+    limit = (srcs if scatter else dsts)[0].shape[0]
+    # SEARCH_STEPS from the limit: enough for any n up to it, and 16 (one build) below 65,536.
+    consts = (scatter, search_steps(limit) if scatter else 0, BLOCK, row_blocks(max(widths)))
     # Pad slots repeat tensor 0 and fit() checked each pair's dtypes: this fixes the build.
     key = (rows_t.device.index, rows_t.dtype, consts, *(x.dtype for x in srcs))
-    build = builds.get(key) if builds is not None else None
-    if build is not None:
-        build[grid](*args, *consts)  # a build takes every argument, constexprs included
-        return
-    build = _move[grid](*args, SCATTER=consts[0], SEARCH_STEPS=consts[1], BLOCK=consts[2], ROW_BLOCKS=consts[3])
-    if builds is not None and hasattr(build, "__getitem__"):  # not under the interpreter
-        builds[key] = build
+    return Plan(len(srcs), limit, (*widths, *[0] * (MAX_TENSORS - len(srcs))), consts, rows_t.device.index, key)
+
+
+def arguments(plan: Plan, rows_t: torch.Tensor, srcs: Sequence[torch.Tensor],
+              dsts: Sequence[torch.Tensor]) -> tuple[tuple[int, int, int], tuple]:
+    """The grid and the kernel's arguments, constexprs last (unused slots repeat tensor
+    0: the grid has ``k`` columns, so they never run)."""
+    n, pad = rows_t.shape[0], MAX_TENSORS - plan.k
+    grid = (dsts[0].shape[0] if plan.consts[0] else n, plan.k, 1)
+    return grid, (rows_t, n, *srcs, *(srcs[0],) * pad, *dsts, *(dsts[0],) * pad, *plan.widths, *plan.consts)
+
+
+def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
+           scatter: bool, plan: Plan | None = None):
+    """The kernel over ``len(srcs)`` (src, dst) pairs through Triton's entry: gather
+    ``dsts[i][:n] = srcs[i][rows_t]``, or scatter ``dsts[i][rows_t] = srcs[i][:n]`` with
+    the other rows of ``dsts[i]`` zero (n = len(rows_t)). ``plan``: as :func:`make_plan`
+    gives it. Returns the build that ran (None under the interpreter or with no rows)."""
+    if plan is None:
+        plan = make_plan(srcs, dsts, rows_t, scatter)
+        if isinstance(plan, str):
+            raise ValueError(f"row moves: {plan}")
+    grid, args = arguments(plan, rows_t, srcs, dsts)
+    if not grid[0]:
+        return None
+    c = plan.consts
+    build = _move[grid](*args[:-len(c)], SCATTER=c[0], SEARCH_STEPS=c[1], BLOCK=c[2], ROW_BLOCKS=c[3])
+    return build if hasattr(build, "__getitem__") else None
+
+
+def _kept(build) -> Callable:
+    """``launch(grid, stream, *args)`` of a kept build: direct where this Triton allows."""
+    direct = direct_launcher(build)
+    return direct if direct is not None else (lambda grid, stream, *args: build[grid](*args))
 
 
 class RowMoves:
     """Gather into the region and scatter back for the trim op (``ReplayRuntime``): the
     kernel on CUDA, the PyTorch ops elsewhere. Where CUDA tensors cannot take the kernel
     (no Triton, a layout it does not take, a kernel that fails to build) that is a
-    fallback: ``fallback(reason, detail)`` counts it, logs it once, or raises when strict."""
+    fallback: ``fallback(reason, detail)`` counts it, logs it once, or raises when strict.
+
+    The layout checks run once per signature (direction, tensor count, row counts) and
+    their result is kept: every step passes new tensors, but from the same producers (a
+    compiled piece's outputs, the region's static buffers and graph outputs), whose
+    dtypes, devices and row layouts are fixed by their code and row counts. Per step only
+    the number of replay rows is checked against the kept limit. A caller whose tensors
+    change layout at equal row counts needs a RowMoves of its own.
+
+    Each build is kept by its key and launched directly afterwards (``direct_launcher``):
+    Triton's entry derives the build from all 20 arguments on every call, and its
+    launch path looks up the device and stream and calls the launch hooks, which cost
+    about as much host time as the PyTorch ops the kernel replaces
+    (scripts/row_moves_probe.py, docs/benchmarks.md)."""
 
     def __init__(self, fallback: Callable[[str, str], None]) -> None:
         self._fallback = fallback
-        self._builds: dict = {}  # kernel builds by their key (launch())
+        self._plans: dict[tuple, Plan | str] = {}  # by signature
+        self._launchers: dict[tuple, Callable] = {}  # kept builds by their key (Plan.key)
+        self._stream = torch_compat.raw_stream_getter()
         self._broken: str | None = None if triton is not None else "Triton is not installed"
 
     def _kernel(self, srcs, dsts, rows_t, scatter: bool) -> bool:
         if not (rows_t.is_cuda or _INTERPRET):
             return False  # the CPU path, not a fallback
-        why = self._broken or fit(srcs, dsts, rows_t, scatter)
-        if not isinstance(why, str):
+        sig = (scatter, len(srcs), srcs[0].shape[0] if srcs else 0, dsts[0].shape[0] if dsts else 0)
+        plan = self._plans.get(sig)
+        if plan is None:
+            plan = self._plans[sig] = make_plan(srcs, dsts, rows_t, scatter)
+        why = self._broken or (plan if isinstance(plan, str) else None)
+        if why is None and rows_t.shape[0] > plan.limit:
+            why = f"{rows_t.shape[0]} replay rows for {plan.limit} rows"
+        if why is None:
             try:
-                launch(rows_t, srcs, dsts, scatter, why, self._builds)
+                kept = self._launchers.get(plan.key)
+                if kept is not None:
+                    grid, args = arguments(plan, rows_t, srcs, dsts)
+                    if grid[0]:
+                        kept(grid, self._stream(plan.device), *args)
+                else:
+                    build = launch(rows_t, srcs, dsts, scatter, plan)
+                    if build is not None:
+                        self._launchers[plan.key] = _kept(build)
                 return True
             except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
                 why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
