@@ -206,8 +206,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     # inputs get storage of their own: views of one buffer would make Dynamo trace
     # their storage offsets as symbols.
     parts = [slots, comp, last, rows_cpu, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *blocks]
-    flat = to_device(torch.cat(parts), device)
-    slots, comp, last, count_rows, rslots, rpos, blk, rblk = flat.split([len(x) for x in parts])
+    slots, comp, last, count_rows, rslots, rpos, blk, rblk = aligned_fields(parts, device)
     ids, pos = to_device(ids, device), to_device(pos, device)
     view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
@@ -215,6 +214,23 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
         v.derived[ATTN_BLOCKS] = b.view(-1, ATTN_BLOCK_FIELDS)
     replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
     return StepBatch(requests, window, ids, pos, last, view, replay)
+
+
+def aligned_fields(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """``parts`` (1-D int64 host tensors) on ``device`` in one copy, as views that each
+    start 16-byte aligned (an even element offset; a part of odd length is followed by
+    one pad element). Triton specialises a pointer argument on 16-byte alignment: a
+    field whose offset moved with the step's sizes would build new variants of the
+    kernels that read it on the first step where it fell odd, inside that step (four
+    attention variants, about 4 s; docs/benchmarks.md)."""
+    chunks, room = [], []
+    for x in parts:
+        chunks.append(x)
+        if len(x) % 2:
+            chunks.append(x.new_zeros(1))
+        room.append(len(x) + len(x) % 2)
+    flat = to_device(torch.cat(chunks), device)
+    return [f[:len(x)] for f, x in zip(flat.split(room), parts)]
 
 
 # The attention kernel's per-view row blocks (models/attention_triton.py): built with

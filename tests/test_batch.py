@@ -101,6 +101,28 @@ def test_spec_example_step_batch():
     assert rep.view.comp_slot_mapping is None
 
 
+@pytest.mark.parametrize("qlens", [[311], [1, 250, 60], [3, 5, 7], [128, 129], [2, 2]])
+def test_metadata_fields_start_16_byte_aligned_whatever_the_sizes(qlens):
+    """Triton specialises pointers on 16-byte alignment: a metadata field whose alignment
+    moved with the step's sizes would build new kernel variants inside a served step."""
+    from replay_backend.batch import ATTN_BLOCKS
+
+    layout = CacheLayout(max_model_len=1024, num_blocks=4)
+    reqs = [R(f"r{i}", q, q + 7 * i) for i, q in enumerate(qlens)]
+    b = _build(reqs, layout, SPEC_W)
+    fields = {"slot_mapping": b.view.slot_mapping, "comp_slot_mapping": b.view.comp_slot_mapping,
+              "logits_indices": b.logits_indices, "count_rows": b.replay.count_rows,
+              "replay slot_mapping": b.replay.view.slot_mapping, "replay positions": b.replay.positions,
+              "attention blocks": b.view.derived[ATTN_BLOCKS],
+              "replay attention blocks": b.replay.view.derived[ATTN_BLOCKS]}
+    for name, t in fields.items():
+        assert t.data_ptr() % 16 == 0, (name, qlens)
+    # and still the values they had before any padding
+    assert _list(b.logits_indices) == [sum(qlens[:i + 1]) - 1 for i in range(len(qlens))]
+    assert _list(b.replay.count_rows) == [b.replay.num_rows, *b.replay.rows]
+    assert len(b.view.slot_mapping) == sum(qlens) and len(b.replay.positions) == b.replay.num_rows
+
+
 # --------------------------------------------------------------------------------------
 # Other compositions
 # --------------------------------------------------------------------------------------
