@@ -149,3 +149,39 @@ def test_layouts_are_checked_once_per_signature_and_the_row_count_every_call(mon
         moves.scatter([buf], [x], torch.tensor([0, 1, 2, 3, 4]))
     assert seen == ["trim op row moves: 5 replay rows for 4 rows; a launch per tensor instead"], seen
     assert checks == [False, True] and len(kept) == 2
+
+
+@needs_triton
+def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registered():
+    """The kept build's direct launch calls Triton's launcher with the stream and no hook
+    chains; while a launch hook is registered (a profiler) it goes through Triton's path,
+    so the hook sees the launch."""
+    import triton
+
+    from replay_backend.models._triton import direct_launcher
+
+    calls = []
+
+    class Build:  # the parts of a compiled build the direct launch uses
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            calls.append(("direct", args))
+
+        def __getitem__(self, grid):
+            return lambda *args, stream=None: calls.append(("triton", grid, stream, args))
+
+    launch = direct_launcher(Build())
+    launch((3, 2, 1), 77, "a", 5)
+    assert calls == [("direct", (3, 2, 1, 77, "fn", "meta", None, None, None, "a", 5))]
+    hook = lambda metadata: None  # noqa: E731
+    hooks = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(hooks, "add"):
+        pytest.skip("this Triton's launch hooks are not chains")
+    hooks.add(hook)
+    try:
+        launch((3, 2, 1), 77, "a", 5)
+    finally:
+        hooks.remove(hook)
+    assert calls[-1] == ("triton", (3, 2, 1), 77, ("a", 5))
+    assert direct_launcher(object()) is None  # a build without the launcher's parts

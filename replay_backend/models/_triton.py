@@ -43,5 +43,5 @@ def direct_launcher(build) -> Callable | None:
 
 
 def _hooked(hook) -> bool:
-    """A launch hook is set: ``None`` (older Triton) or an empty chain (3.5 on) is not."""
+    """A launch hook is set: ``None`` (older Triton) or an empty chain (newer) is not."""
     return hook is not None and bool(getattr(hook, "calls", True))
