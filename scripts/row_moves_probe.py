@@ -72,8 +72,8 @@ def main() -> None:
     def ops_scatter():
         outs[0].zero_()
         outs[0].index_copy_(0, rows_t, res[0][:128])
-    # "Triton's entry": the build found from the arguments on each call, as RowMoves did
-    # before it kept its builds (row_moves.launch without ``builds``).
+    # "Triton's entry" (row_moves.launch): the shape checks and Triton's own search for
+    # the build from the arguments on each call, as RowMoves did before it kept both.
     for name, ops, entry, kept, launch_path in (
             ("gather", ops_gather, lambda: row_moves.launch(rows_t, rows, bufs, False),
              lambda: kernel.gather(rows, bufs, rows_t), lambda: via_triton.gather(rows, bufs, rows_t)),

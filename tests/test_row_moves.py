@@ -147,7 +147,9 @@ def test_layouts_are_checked_once_per_signature_and_the_row_count_every_call(mon
     assert checks == [False, True] and entry == [False, True]
     with pytest.raises(IndexError, match="Number of indices"):  # the PyTorch ops refuse it too
         moves.scatter([buf], [x], torch.tensor([0, 1, 2, 3, 4]))
-    assert seen == ["trim op row moves: 5 replay rows for 4 rows; a launch per tensor instead"], seen
+    with pytest.raises(ValueError, match="5 replay rows into a buffer of 4 rows"):
+        moves.gather([x, x], [buf, buf], torch.tensor([0, 1, 2, 3, 4]))
+    assert seen == ["trim op row moves: 5 replay rows for 4 rows; a launch per tensor instead"] * 2, seen
     assert checks == [False, True] and len(kept) == 2
 
 

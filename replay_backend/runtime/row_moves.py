@@ -253,6 +253,8 @@ class RowMoves:
         if not self._kernel(rows, bufs, rows_t, scatter=False):
             n = rows_t.shape[0]
             for x, b in zip(rows, bufs):
+                if b.shape[0] < n:  # index_select would resize the short view, not fail
+                    raise ValueError(f"row moves: {n} replay rows into a buffer of {b.shape[0]} rows")
                 torch.index_select(x, 0, rows_t, out=b[:n])
 
     def scatter(self, res: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], rows_t: torch.Tensor) -> None:
