@@ -20,6 +20,7 @@ import torch
 import triton
 
 from replay_backend.backend import ReplayBackend
+from replay_backend.bench_timing import ttft
 from replay_backend.config import ReplayConfig
 from replay_backend.models import build_model, preset
 from replay_backend.runner import StepRunner
@@ -49,17 +50,11 @@ def main() -> None:
     print(f"capture: {time.perf_counter() - t0:.1f} s, {len(builds)} Triton builds")
     builds.clear()
     for k, (isl, conc) in enumerate(shapes):
-        prompts = {f"p{k}-{i}": isl for i in range(conc)}
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.prefill(prompts)
-        torch.cuda.synchronize()
-        print(f"{isl}/{conc}: {(time.perf_counter() - t0) * 1e3:.1f} ms, {len(builds)} Triton builds")
+        ms = ttft(runner, isl, conc, f"p{k}")  # as the bench times a run: synchronised, then freed
+        print(f"{isl}/{conc}: {ms:.1f} ms, {len(builds)} Triton builds")
         for b in builds:
             print(f"  built {b[:300]}")
         builds.clear()
-        for rid in prompts:
-            runner.free(rid)
 
 
 if __name__ == "__main__":

@@ -149,9 +149,10 @@ def make_plan(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t
     limit = (srcs if scatter else dsts)[0].shape[0]
     # SEARCH_STEPS from the limit: enough for any n up to it, and 16 (one build) below 65,536.
     consts = (scatter, search_steps(limit) if scatter else 0, BLOCK, row_blocks(max(widths)))
+    device = rows_t.device.index
     # Pad slots repeat tensor 0 and fit() checked each pair's dtypes: this fixes the build.
-    key = (rows_t.device.index, rows_t.dtype, consts, *(x.dtype for x in srcs))
-    return Plan(len(srcs), limit, (*widths, *[0] * (MAX_TENSORS - len(srcs))), consts, rows_t.device.index, key)
+    key = (device, rows_t.dtype, consts, *(x.dtype for x in srcs))
+    return Plan(len(srcs), limit, (*widths, *[0] * (MAX_TENSORS - len(srcs))), consts, device, key)
 
 
 def arguments(plan: Plan, rows_t: torch.Tensor, srcs: Sequence[torch.Tensor],
