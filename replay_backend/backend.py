@@ -24,6 +24,7 @@ from .piece_cache import PieceCache
 from .models.attention_ops import ATTENTION_OPS
 from .plan import SplitPlan
 from .runtime.compiled import CompiledReplayModel
+from .runtime.direct import CallLog
 from .runtime.graphs import GraphLevel, GraphResources, PieceRunner
 from .runtime.trim_op import ReplayRuntime
 
@@ -45,6 +46,9 @@ class ReplayBackend:
         self.dp_group = dp_group
         self.compiled: list[CompiledReplayModel] = []
         self.frozen = False
+        # Calls of the compiled model while a runner watches (its warm-up steps): the
+        # runner learns from them how to call the model without Dynamo (runtime/direct.py).
+        self.calls = CallLog()
 
     @property
     def model(self) -> CompiledReplayModel:
@@ -68,6 +72,7 @@ class ReplayBackend:
         else:  # once per backend, not per graph
             log.info("dsv41_replay config: %s", self.config.as_dict())
         model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group)
+        model.calls = self.calls
         inspection.on_built(model, len(self.compiled))
         self.compiled.append(model)
         return model

@@ -169,13 +169,15 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
     traced = secs - sum(shared.build_s.values()) if first else None
     run.compile_s = shared.build_s[key]
     be = runner.backend
-    if be.config.graphs_enabled:
-        if device == "cuda":
-            run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
-        run.capture = runner.capture()
-        for level, c in run.capture.items():
-            print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
-                  f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
+    if not be.config.graphs_enabled:
+        runner.start_serving()  # nothing to capture: served steps as in the graphed modes
+        return runner, traced
+    if device == "cuda":
+        run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
+    run.capture = runner.capture()
+    for level, c in run.capture.items():
+        print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
+              f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
     return runner, traced
 
 

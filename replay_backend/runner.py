@@ -7,7 +7,6 @@ only sets the forward context around the call and runs the head on last rows.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import zlib
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from . import torch_compat
 from .batch import AttnView, RequestChunk, StepBatch, build_step_batch, validate_requests
 from .forward_context import ForwardContext, StepInfo, set_forward_context
 from .kv_cache import CacheLayout, KVCaches
+from .runtime import direct
 from .models.dsv41_mini import DSv41Mini
 
 
@@ -30,12 +30,20 @@ class StepOutput:
     trim: Any  # what the trim op did (a TrimRecord), None when it did not run
 
 
-def token_ids_for(req_id, start: int, end: int, vocab: int) -> torch.Tensor:
+class PromptTokens:
     """Deterministic prompt tokens (int64, on the host), so two runners see the same
-    request: ``(seed * 2654435761 + p * 40503 + p * p % 977) % vocab`` at position p."""
-    seed = zlib.crc32(str(req_id).encode())
-    p = torch.arange(start, end, dtype=torch.int64)
-    return ((seed * 2654435761) % vocab + (p * 40503) % vocab + (p * p) % 977) % vocab
+    request: ``(seed * 2654435761 + p * 40503 + p * p % 977) % vocab`` at position p,
+    seed from the request id. The position terms are kept for every position of the
+    cache: computed per step they were eight host ops before a step's first kernel."""
+
+    def __init__(self, vocab: int, max_len: int) -> None:
+        p = torch.arange(max_len, dtype=torch.int64)
+        self.vocab = vocab
+        self.by_position = (p * 40503) % vocab + (p * p) % 977
+
+    def __call__(self, req_id, start: int, end: int) -> torch.Tensor:
+        seed = zlib.crc32(str(req_id).encode())
+        return (self.by_position[start:end] + (seed * 2654435761) % self.vocab).remainder_(self.vocab)
 
 
 def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
@@ -73,6 +81,7 @@ class StepRunner:
         self.cfg = model.cfg
         self.device, self.dtype = p.device, p.dtype
         self.layout = CacheLayout(max_model_len, max_num_seqs)
+        self.tokens = PromptTokens(self.cfg.vocab_size, max_model_len)
         self.kv = KVCaches(self.cfg, self.layout, self.device, self.dtype)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.forward = forward if forward is not None else model
@@ -83,6 +92,11 @@ class StepRunner:
         if backend is not None and forward is None:
             self.forward = torch.compile(model, backend=backend, fullgraph=True)
         self._blocks: dict[Any, int] = {}
+        # Direct dispatch (runtime/direct.py): what the warm-up steps taught, and the entry
+        # served steps take once serving started.
+        self._learned: direct.DirectEntry | str | None = None
+        self._direct: direct.DirectEntry | None = None
+        self._fixed: set[int] | None = None
 
     # ---- cache blocks --------------------------------------------------------------
     def block_of(self, req_id) -> int:
@@ -102,8 +116,7 @@ class StepRunner:
     def build_batch(self, requests: Iterable[RequestChunk]) -> StepBatch:
         requests = list(requests)
         validate_requests(requests, self.layout, self.cfg.window, self.max_num_batched_tokens)
-        tokens = [token_ids_for(r.req_id, r.context_len, r.seq_len, self.cfg.vocab_size)
-                  for r in requests]
+        tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
         blocks = [self.block_of(r.req_id) for r in requests]
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
                                 self.max_num_batched_tokens)
@@ -114,13 +127,14 @@ class StepRunner:
         ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay, use_graphs=use_graphs)
         fwd = forward if forward is not None else self.forward
         ids, pos = batch.input_ids, batch.positions
-        if fwd is self.forward and self.backend is not None and batch.num_tokens == 1:
+        compiled = fwd is self.forward and self.backend is not None
+        if compiled and batch.num_tokens == 1:
             # torch specialises size-1 dimensions, so a one-token trace would be a second
             # graph: a lone decode runs as two rows, the second a pad row (token 0 at
             # position 0) that attention ignores and whose KV goes to the pad slot.
             ids, pos = torch.cat([ids, ids.new_zeros(1)]), torch.cat([pos, pos.new_zeros(1)])
-        with set_forward_context(ctx), self._compile_guards(fwd, ids, pos):
-            hidden = fwd(ids, pos)
+        with set_forward_context(ctx):
+            hidden = self._run_compiled(ids, pos) if compiled else fwd(ids, pos)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return StepOutput(logits, batch, ctx.step, ctx.last_trim)
 
@@ -150,15 +164,54 @@ class StepRunner:
             self.prefill(prompts, eager_replay, forward)
 
     # ---- compiled models ------------------------------------------------------------
-    def _compile_guards(self, fwd, ids: torch.Tensor, pos: torch.Tensor):
-        if self.backend is None or fwd is not self.forward:
-            return contextlib.nullcontext()
-        if self.backend.frozen:
+    def _run_compiled(self, ids: torch.Tensor, pos: torch.Tensor):
+        if self._direct is not None:
+            return self._direct(ids, pos)
+        be = self.backend
+        if be.frozen:
             # Served steps never trace (a trace now is a recompile, an error), so the
             # size-oblivious tracing knob is not needed: its config patch is host time.
             torch_compat.mark_tokens_dynamic(ids, pos)
-            return torch_compat.no_recompile()
-        return torch_compat.dynamic_tokens(ids, pos)
+            with torch_compat.no_recompile():
+                return self.forward(ids, pos)
+        if not be.config.direct_dispatch:
+            with torch_compat.dynamic_tokens(ids, pos):
+                return self.forward(ids, pos)
+        with torch_compat.dynamic_tokens(ids, pos), be.calls.watch():
+            hidden = self.forward(ids, pos)
+        call = be.calls.take()
+        if call is not None:  # learn how served steps can call the model without Dynamo
+            if self._fixed is None:
+                self._fixed = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
+            self._learned = direct.learn(*call, (ids, pos), hidden, ("input_ids", "positions"), self._fixed)
+        return hidden
+
+    def start_serving(self) -> None:
+        """Warm-up is over: a recompile is an error from now on, and served steps call
+        the compiled model directly (``direct_dispatch``, runtime/direct.py) as the
+        warm-up steps taught, or through Dynamo where that could not be learned (a
+        counted fallback). :meth:`capture` ends with this; without graphs call it after
+        the warm-up steps."""
+        if self.backend is None:
+            raise RuntimeError("start_serving needs a StepRunner built with backend=ReplayBackend(...)")
+        be = self.backend
+        compiled = be.model
+        compiled.start_serving()
+        be.freeze()
+        self._direct = None
+        if not be.config.direct_dispatch:
+            return
+        learned = self._learned
+        if len(be.compiled) > 1:
+            learned = f"the backend compiled {len(be.compiled)} graphs, and Dynamo's guards choose among them"
+        elif learned is None:
+            learned = "no warm-up step of this runner ran through Dynamo to learn from"
+        elif not isinstance(learned, str) and learned.model is not compiled:
+            learned = "the warm-up steps called another compiled model"
+        if isinstance(learned, str):
+            compiled.res.fallback("direct_dispatch", f"served steps go through Dynamo's entry: {learned}")
+        else:
+            self._direct = learned
 
     @torch.inference_mode()
     def dummy_batch(self, num_tokens: int) -> StepBatch:
@@ -206,6 +259,5 @@ class StepRunner:
         with self._dummy_context(), torch.inference_mode():
             summary = compiled.capture(lambda n: self.run(self.dummy_batch(n)),
                                        lambda n: self.dummy_batch(n).replay.view)
-        compiled.start_serving()
-        self.backend.freeze()
+        self.start_serving()
         return summary

@@ -38,6 +38,7 @@ class CompiledReplayModel:
         self.capture_summary: dict = {}
         self.sources = None
         self.dump_dir: str | None = None
+        self.calls = None  # the backend's CallLog (direct.py): warm-up calls to learn from
 
     # ---- pieces ---------------------------------------------------------------------
     def runners(self, level: str) -> list[PieceRunner]:
@@ -70,6 +71,8 @@ class CompiledReplayModel:
         rec = ctx.last_trim if ctx is not None else None
         if rec is not None and rec is not trim_before:  # the trim op ran in this step
             self.dispatch["replay"][rec.padded if rec.padded is not None else "eager"] += 1
+        if self.calls is not None and self.calls.active:
+            self.calls.record(self, args, out)
         return out
 
     def _step(self, ctx, args) -> tuple:
