@@ -6,6 +6,7 @@ by asynchronous copies, so building a step never waits for the step before it.
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -198,9 +199,9 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     floors = tuple(replay_floor(r, window) for r in requests)
     seq_lens = tuple(r.seq_len for r in requests)
     rows, kqsl = replay_rows(requests, window)
-    rows_cpu = torch.tensor([len(rows), *rows], dtype=torch.int64)  # the count, then the rows
+    rows_cpu = int64_tensor([len(rows), *rows])  # the count, then the rows
     ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
-    last = torch.tensor(qsl[1:], dtype=torch.int64) - 1
+    last = int64_tensor([q - 1 for q in qsl[1:]])
     blocks = [attn_row_blocks(q, seq_lens, floors, base, window) for q in (qsl, kqsl)]
     # One copy to the device for the metadata, every field a view of it. The model's
     # inputs get storage of their own: views of one buffer would make Dynamo trace
@@ -216,6 +217,16 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     return StepBatch(requests, window, ids, pos, last, view, replay)
 
 
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """Python ints as a 1-D int64 host tensor. ``torch.tensor`` inspects every element
+    (167 us for 1,152 of them on a 2-core CPU host, 26 us this way): the step's rows and
+    attention row blocks are built on its critical path, before its first kernel."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    # The tensor holds a reference to the array, which owns the memory.
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
 def aligned_fields(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
     """``parts`` (1-D int64 host tensors) on ``device`` in one copy, as views that each
     start 16-byte aligned (an even element offset; a part of odd length is followed by
@@ -223,14 +234,18 @@ def aligned_fields(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
     field whose offset moved with the step's sizes would build new variants of the
     kernels that read it on the first step where it fell odd, inside that step (four
     attention variants, about 4 s; docs/benchmarks.md)."""
-    chunks, room = [], []
+    chunks, starts, end = [], [], 0
+    pad = parts[0].new_zeros(1)
     for x in parts:
+        n = x.shape[0]  # not len(): Tensor.__len__ is Python, and this runs per step
         chunks.append(x)
-        if len(x) % 2:
-            chunks.append(x.new_zeros(1))
-        room.append(len(x) + len(x) % 2)
+        starts.append(end)
+        end += n
+        if n % 2:
+            chunks.append(pad)
+            end += 1
     flat = to_device(torch.cat(chunks), device)
-    return [f[:len(x)] for f, x in zip(flat.split(room), parts)]
+    return [flat[a:a + x.shape[0]] for a, x in zip(starts, parts)]
 
 
 # The attention kernel's per-view row blocks (models/attention_triton.py): built with
@@ -241,10 +256,9 @@ ATTN_BLOCK_FIELDS = 9
 
 
 def attn_row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int) -> torch.Tensor:
-    """The rows of :func:`models.attention_triton.row_blocks`, flat int64 on the host."""
+    """:func:`models.attention_triton.row_blocks` as a flat int64 host tensor."""
     from .models.attention_triton import NUM_FIELDS, row_blocks  # the models import this module
 
     if NUM_FIELDS != ATTN_BLOCK_FIELDS:  # pragma: no cover - a kernel change must update both
         raise RuntimeError("attention row block layout changed: update batch.ATTN_BLOCK_FIELDS")
-    rows = row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window)
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1)
+    return int64_tensor(row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window))

@@ -8,6 +8,7 @@ only sets the forward context around the call and runs the head on last rows.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -18,8 +19,10 @@ from . import torch_compat
 from .batch import AttnView, RequestChunk, StepBatch, build_step_batch, validate_requests
 from .forward_context import ForwardContext, StepInfo, set_forward_context
 from .kv_cache import CacheLayout, KVCaches
-from .runtime import direct
 from .models.dsv41_mini import DSv41Mini
+from .runtime import direct
+
+log = logging.getLogger("replay_backend")
 
 
 @dataclass
@@ -201,17 +204,13 @@ class StepRunner:
         self._direct = None
         if not be.config.direct_dispatch:
             return
-        learned = self._learned
-        if len(be.compiled) > 1:
-            learned = f"the backend compiled {len(be.compiled)} graphs, and Dynamo's guards choose among them"
-        elif learned is None:
-            learned = "no warm-up step of this runner ran through Dynamo to learn from"
-        elif not isinstance(learned, str) and learned.model is not compiled:
-            learned = "the warm-up steps called another compiled model"
+        learned = direct.for_serving(self._learned, be.compiled)
         if isinstance(learned, str):
             compiled.res.fallback("direct_dispatch", f"served steps go through Dynamo's entry: {learned}")
-        else:
-            self._direct = learned
+            return
+        self._direct = learned
+        log.info("dsv41_replay: served steps call the compiled model directly (%d graph arguments, %d fixed)",
+                 len(learned.template), sum(a is not None for a in learned.template))
 
     @torch.inference_mode()
     def dummy_batch(self, num_tokens: int) -> StepBatch:

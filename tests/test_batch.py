@@ -362,3 +362,37 @@ def test_schedule_prefill_fits_and_exact_budget():
 def test_schedule_prefill_bad_budget():
     with pytest.raises(ValueError, match="max_num_batched_tokens must be positive, got 0"):
         schedule_prefill([4], 0)
+
+
+@pytest.mark.parametrize("values", [[], [0], [5, -3, 2 ** 62, 7], list(range(1000))])
+def test_int64_tensor_equals_torch_tensor(values):
+    from replay_backend.batch import int64_tensor
+
+    got = int64_tensor(list(values))
+    assert got.dtype == torch.int64 and torch.equal(got, torch.tensor(values, dtype=torch.int64))
+    got.add_(1)  # writable, and alive after the list is gone
+    assert _list(got) == [v + 1 for v in values]
+
+
+@pytest.mark.parametrize("qlens, seq_lens, floors", [
+    ([1, 250, 60], [700, 250, 260], [0, 122, 0]), ([64, 65, 128], [64, 300, 128], [0, 200, 0])])
+def test_attention_row_blocks_tile_each_request_by_position(qlens, seq_lens, floors):
+    """Each block covers up to 64 consecutive rows of one request; its fields follow from
+    the positions of those rows (the last ``q`` positions of the sequence)."""
+    from replay_backend.batch import ATTN_BLOCK_FIELDS, attn_row_blocks
+
+    W, base = 16, [1000 * i for i in range(len(qlens))]
+    qsl = [sum(qlens[:i]) for i in range(len(qlens) + 1)]
+    got = attn_row_blocks(qsl, seq_lens, floors, base, W).view(-1, ATTN_BLOCK_FIELDS).tolist()
+    covered = []
+    for row0, n, pos0, cbase, floor, swa0, swa0_floor, glob1, glob2 in got:
+        i = max(k for k in range(len(qlens)) if qsl[k] <= row0)
+        rows = range(row0, row0 + n)
+        assert 1 <= n <= 64 and rows[-1] < qsl[i + 1] and (cbase, floor) == (base[i], floors[i])
+        positions = [seq_lens[i] - (qsl[i + 1] - r) for r in rows]
+        last = positions[-1]
+        assert pos0 == positions[0] and glob1 == last + 1 and glob2 == (last + 1) // 2
+        lo = max(positions[0] - W + 1, 0)  # the first key any row of the block may read
+        assert swa0 == min(lo, last + 1) and swa0_floor == min(max(lo, floor), last + 1)
+        covered.extend(rows)
+    assert covered == list(range(qsl[-1]))

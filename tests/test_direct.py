@@ -3,6 +3,7 @@ taught (runtime/direct.py), against the eager oracle and against Dynamo's own en
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from types import SimpleNamespace
 
@@ -41,9 +42,11 @@ class _NoDynamo:
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "none"])
-def test_served_steps_skip_dynamo_and_match_the_oracle(model, mode):
+def test_served_steps_skip_dynamo_and_match_the_oracle(model, mode, caplog):
+    caplog.set_level(logging.INFO, logger="replay_backend")
     rc = _runner(model, cudagraph_mode=mode)
     rc.capture()
+    assert "served steps call the compiled model directly" in caplog.text
     entry = rc._direct
     assert isinstance(entry, direct.DirectEntry)
     assert entry.inputs[0] >= 0 and entry.inputs[1] >= 0 and entry.tokens
@@ -92,7 +95,7 @@ def test_inputs_dynamo_would_recompile_for_are_refused(model):
         short = dataclasses.replace(batch, positions=batch.positions[:4])
     with pytest.raises(ValueError, match="input_ids is torch.int32.*recompile"):
         rc.run(odd)
-    with pytest.raises(ValueError, match=r"positions is torch.int64 \(4,\).*5 rows"):
+    with pytest.raises(ValueError, match=r"positions is torch.int64 \(4,\).*input_ids \(5\)"):
         rc.run(short)
     assert len(rc.backend.compiled) == 1
 
@@ -184,3 +187,14 @@ def test_learn_refuses_calls_it_cannot_repeat(args, fixed, returned, reason):
     outputs = m(*args) if returned else (torch.zeros(1), m.result.clone())
     got = direct.learn(m, args, outputs, (ids, pos), m.result, NAMES, {id(w)} if fixed else set())
     assert isinstance(got, str) and re.search(reason, got), got
+
+
+def test_for_serving_takes_only_an_entry_of_the_one_compiled_model():
+    m, other, w = _Model(), _Model(), torch.ones(3)
+    ids, pos = torch.arange(6), torch.arange(6)
+    entry = direct.learn(m, (6, ids, w, pos), m(6, ids, w, pos), (ids, pos), m.result, NAMES, {id(w)})
+    assert direct.for_serving(entry, [m]) is entry
+    assert "another compiled model" in direct.for_serving(entry, [other])
+    assert "compiled 2 graphs" in direct.for_serving(entry, [m, other])
+    assert "no warm-up step" in direct.for_serving(None, [m])
+    assert direct.for_serving("a reason", [m]) == "a reason"

@@ -21,20 +21,22 @@ NUM_FIELDS = 9
 
 
 def row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int,
-               block_m: int = BLOCK_M) -> list[list[int]]:
-    """Host metadata, one row per block of rows: ``row0, nrows, pos0, cache_base, floor``,
-    the block's first SWA key without / with the floor, and its global entry count for
-    ratio 1 / ratio 2 (scalars are precomputed here so the kernel only loads them)."""
-    out = []
+               block_m: int = BLOCK_M) -> list[int]:
+    """Host metadata, ``NUM_FIELDS`` ints per block of rows, flat: ``row0, nrows, pos0,
+    cache_base, floor``, the block's first SWA key without / with the floor, and its
+    global entry count for ratio 1 / ratio 2 (scalars are precomputed here so the kernel
+    only loads them). Flat, as it goes into the step's metadata tensor: every step builds
+    it on the host before its first kernel, so no list per block."""
+    out: list[int] = []
+    add = out.extend
     for i, seq_len in enumerate(seq_lens):
         r0, r1 = query_start_loc[i], query_start_loc[i + 1]
-        p0 = seq_len - (r1 - r0)
+        shift, base, floor = seq_len - r1, cache_base[i], kv_start[i]  # row r holds position r + shift
         for a in range(r0, r1, block_m):
-            n = min(block_m, r1 - a)
-            pos0, last = p0 + (a - r0), p0 + (a - r0) + n - 1
+            pos0 = a + shift
+            end = pos0 + min(block_m, r1 - a)  # the block's last position + 1
             lo = max(pos0 - window + 1, 0)
-            out.append([a, n, pos0, cache_base[i], kv_start[i], min(lo, last + 1),
-                        min(max(lo, kv_start[i]), last + 1), last + 1, (last + 1) // 2])
+            add((a, end - pos0, pos0, base, floor, min(lo, end), min(max(lo, floor), end), end, end // 2))
     return out
 
 

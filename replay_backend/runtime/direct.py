@@ -88,8 +88,8 @@ class DirectEntry:
             if x.dtype != dtype or x.device != device or x.dim() != rank or x.shape[0] != n:
                 raise ValueError(
                     f"direct dispatch: input {name} is {x.dtype} {tuple(x.shape)} on {x.device}, but the "
-                    f"model was traced with {dtype} of rank {rank} on {device} and {n} rows: that needs a "
-                    "recompile, which is an error after warm-up")
+                    f"model was traced with {dtype} of rank {rank} on {device}, as many rows as "
+                    f"{self.names[0]} ({n}): that needs a recompile, which is an error after warm-up")
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         self.check(inputs)
@@ -134,3 +134,15 @@ def learn(model, args: tuple, outputs: tuple, inputs: Sequence[torch.Tensor], re
     template = tuple(None if i in per_step else a for i, a in enumerate(args))
     return DirectEntry(model, template, tuple(slots), tuple(sorted(sym)), hits[0],
                        tuple((x.dtype, x.device, x.dim()) for x in inputs), tuple(names))
+
+
+def for_serving(learned: DirectEntry | str | None, compiled: Sequence) -> DirectEntry | str:
+    """The entry served steps take, given what the warm-up steps taught (``learned``)
+    and the backend's compiled models; or why they go through Dynamo."""
+    if len(compiled) > 1:
+        return f"the backend compiled {len(compiled)} graphs, and Dynamo's guards choose among them"
+    if learned is None:
+        return "no warm-up step of this runner ran through Dynamo to learn from"
+    if not isinstance(learned, str) and learned.model is not compiled[0]:
+        return "the warm-up steps called another compiled model"
+    return learned
