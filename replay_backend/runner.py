@@ -7,6 +7,7 @@ only sets the forward context around the call and runs the head on last rows.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import zlib
@@ -177,12 +178,10 @@ class StepRunner:
             torch_compat.mark_tokens_dynamic(ids, pos)
             with torch_compat.no_recompile():
                 return self.forward(ids, pos)
-        if not be.config.direct_dispatch:
-            with torch_compat.dynamic_tokens(ids, pos):
-                return self.forward(ids, pos)
-        with torch_compat.dynamic_tokens(ids, pos), be.calls.watch():
+        watch = be.calls.watch() if be.config.direct_dispatch else contextlib.nullcontext()
+        with torch_compat.dynamic_tokens(ids, pos), watch:
             hidden = self.forward(ids, pos)
-        call = be.calls.take()
+        call = be.calls.take()  # None when not watched
         if call is not None:  # learn how served steps can call the model without Dynamo
             if self._fixed is None:
                 self._fixed = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}

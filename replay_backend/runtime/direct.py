@@ -50,22 +50,17 @@ class CallLog:
         call, self.call = self.call, None
         return call
 
-    def watch(self) -> "_Watch":
-        return _Watch(self)
+    def watch(self) -> "CallLog":
+        """Record the calls inside a ``with``, from a clean slate."""
+        self.call = None
+        return self
 
-
-class _Watch:
-    __slots__ = ("log",)
-
-    def __init__(self, log: CallLog) -> None:
-        self.log = log
-
-    def __enter__(self) -> CallLog:
-        self.log.active, self.log.call = True, None
-        return self.log
+    def __enter__(self) -> "CallLog":
+        self.active = True
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.log.active = False
+        self.active = False
 
 
 @dataclass(frozen=True)
@@ -80,9 +75,9 @@ class DirectEntry:
     specs: tuple[tuple[torch.dtype, torch.device, int], ...]  # each input's dtype, device, rank
     names: tuple[str, ...]  # the inputs' names, for errors
 
-    def check(self, inputs: Sequence[torch.Tensor]) -> None:
+    def check(self, inputs: Sequence[torch.Tensor]) -> int:
         """Raise on inputs Dynamo's guards would have refused (a recompile, an error
-        after warm-up), naming the input."""
+        after warm-up), naming the input; else return the token count."""
         n = inputs[0].shape[0]
         for name, x, (dtype, device, rank) in zip(self.names, inputs, self.specs):
             if x.dtype != dtype or x.device != device or x.dim() != rank or x.shape[0] != n:
@@ -90,14 +85,14 @@ class DirectEntry:
                     f"direct dispatch: input {name} is {x.dtype} {tuple(x.shape)} on {x.device}, but the "
                     f"model was traced with {dtype} of rank {rank} on {device}, as many rows as "
                     f"{self.names[0]} ({n}): that needs a recompile, which is an error after warm-up")
+        return n
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        self.check(inputs)
+        n = self.check(inputs)
         args = list(self.template)
         for slot, x in zip(self.inputs, inputs):
             if slot >= 0:
                 args[slot] = x
-        n = inputs[0].shape[0]
         for slot in self.tokens:
             args[slot] = n
         return self.model(*args)[self.output]
