@@ -50,12 +50,13 @@ def main() -> None:
     kernel.scatter(res, outs, rows_t)
     # The same, but its kept builds launched through Triton's launch path (build[grid]).
     via_triton = row_moves.RowMoves(lambda reason, detail: seen.append(detail))
-    direct, row_moves.direct_launcher = row_moves.direct_launcher, lambda build: None
+    kept = row_moves.kept_launch
+    row_moves.kept_launch = lambda build: (lambda grid, stream, *a: build[grid](*a))
     try:
         via_triton.gather(rows, bufs, rows_t)
         via_triton.scatter(res, outs, rows_t)
     finally:
-        row_moves.direct_launcher = direct
+        row_moves.kept_launch = kept
     torch.cuda.synchronize()
     assert not seen, seen
     for x, b in zip(rows, bufs):

@@ -7,11 +7,19 @@ so prefills of a few dozen tokens already trim.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from replay_backend.models import build_model, preset
 from replay_backend.runner import StepRunner
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 WINDOW = 16
 MAX_MODEL_LEN = 512
@@ -63,3 +71,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def run_interpreted(code: str) -> str:
+    """``code`` in a child process under Triton's interpreter (``TRITON_INTERPRET=1``
+    must be set before Triton is imported): the CPU tests of the Triton kernels."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout

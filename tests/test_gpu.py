@@ -43,6 +43,10 @@ def test_triton_attention_matches_reference(model32):
         oa, ob = a.step(reqs), b.step(reqs)
         assert max_abs_err(oa.logits, ob.logits) < 1e-3
         assert max_abs_err_kv(a.kv, b.kv, oa.batch) < 1e-3
+    # Every source's global entries too (written by cache_triton.py on one side), but
+    # the pad slot: the reference fills it with throw-away values, the kernel skips it.
+    for src, glob in a.kv.glob.items():
+        assert glob[:-1].abs().max() > 0 and max_abs_err(glob[:-1], b.kv.glob[src][:-1]) < 1e-3
 
 
 def check_compositions(model, compiler: str, tol: float) -> None:
@@ -243,6 +247,14 @@ def test_row_moves_kernel_matches_indexing():
     from row_moves_cases import check_against_indexing
 
     check_against_indexing("cuda")
+
+
+def test_cache_write_kernel_matches_the_reference_ops():
+    """The attention ops' one-launch cache writes (models/cache_triton.py), compiled for
+    the GPU: SWA, raw and global caches against index_copy_ and the PyTorch compressor."""
+    from cache_write_cases import check_against_reference
+
+    check_against_reference("cuda")
 
 
 def test_capture_survives_a_collection_that_frees_dropped_graphs():

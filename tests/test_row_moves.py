@@ -4,27 +4,12 @@ The kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set before T
 is imported, hence a child process): against PyTorch indexing, and inside trimmed steps
 whose main layers run without graphs, against the eager oracle.
 """
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
+from conftest import needs_triton, run_interpreted
 from replay_backend.runtime import row_moves
 from replay_backend.runtime.graphs import StrictFallbackError
-
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-
-
-def run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
 
 
 @needs_triton

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
+from .. import torch_compat
+
 try:
     import triton
     import triton.language as tl
@@ -45,3 +49,39 @@ def direct_launcher(build) -> Callable | None:
 def _hooked(hook) -> bool:
     """A launch hook is set: ``None`` (older Triton) or an empty chain (newer) is not."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def kept_launch(build) -> Callable:
+    """``launch(grid, stream, *args)`` of a kept build: direct where this Triton allows."""
+    direct = direct_launcher(build)
+    return direct if direct is not None else (lambda grid, stream, *args: build[grid](*args))
+
+
+class KeptKernel:
+    """A kernel whose build the caller's key fixes, launched directly after its first call.
+
+    Triton's entry derives a kernel's build from all its arguments on every call (an
+    integer is specialised when it is 1 or a multiple of 16, a pointer when it is
+    16-byte aligned), then finds the device and stream and calls the launch hooks:
+    tens of microseconds of host time per launch, for kernels whose work may take a
+    few. The key must name everything that fixes the build: the constexprs, the
+    tensors' dtypes, and for each pointer not declared ``do_not_specialize_on_alignment``
+    whether it is 16-byte aligned. Every other integer argument must be declared
+    ``do_not_specialize`` (and fit in 32 bits). Then the build kept by the key serves
+    every later call with that key. Under Triton's interpreter every call takes
+    Triton's entry (it returns no build)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._kept: dict[tuple, Callable] = {}
+        self._stream = torch_compat.raw_stream_getter()
+
+    def __call__(self, key: tuple, grid: tuple[int, int, int], device: torch.device, args: tuple,
+                 constexprs: dict) -> None:
+        kept = self._kept.get(key)
+        if kept is not None:
+            kept(grid, self._stream(device.index), *args, *constexprs.values())
+            return
+        build = self.kernel[grid](*args, **constexprs)
+        if hasattr(build, "__getitem__"):  # a compiled build (not the interpreter's None)
+            self._kept[key] = kept_launch(build)

@@ -18,7 +18,7 @@ from .. import torch_compat
 from ..batch import ATTN_BLOCKS, attn_row_blocks, to_device
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
-from . import attention_triton
+from . import attention_triton, cache_triton
 
 # Elements of one [heads, rows, keys] score block; bounds temporary memory.
 _SCORE_BUDGET = 1 << 25
@@ -76,8 +76,6 @@ def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w:
     """KV-source compressor: write this step's global entries (SPEC §2)."""
     n = view.num_tokens
     glob = caches.glob[layer]
-    if view.comp_slot_mapping is None:
-        raise RuntimeError(f"layer {layer} is a KV source and cannot run on a replay batch")
     slots = view.slot_mapping
     if gate is None:  # ratio 1: norm(w x) per token
         glob.index_copy_(0, slots, rms_norm(kv_c[:n], norm_w, eps).to(glob.dtype))
@@ -112,17 +110,27 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     n = view.num_tokens
     if q.shape[0] < n:
         raise RuntimeError(f"layer {layer}: attention got {q.shape[0]} rows for {n} tokens")
+    if compress is not None and view.comp_slot_mapping is None:
+        raise RuntimeError(f"layer {layer} is a KV source and cannot run on a replay batch")
     swa = caches.swa[layer]
-    swa.index_copy_(0, view.slot_mapping, kv[:n].to(swa.dtype))
-    if compress is not None:
-        _compress(layer, *compress, view, caches, cfg.rms_eps)
+    use_triton = _use_triton(cfg.attention_impl, q)
+    if use_triton:
+        if compress is not None:
+            kv_c, gate, norm_w = compress
+            compress = (kv_c, gate, norm_w, caches.raw.get(layer), caches.glob[layer],
+                        view.comp_slot_mapping, cfg.rms_eps)
+        cache_triton.write(kv, swa, view.slot_mapping, n, compress)
+    else:
+        swa.index_copy_(0, view.slot_mapping, kv[:n].to(swa.dtype))
+        if compress is not None:
+            _compress(layer, *compress, view, caches, cfg.rms_eps)
     src = cfg.global_source(layer)
     glob = caches.glob[src] if src is not None else None
     ratio = cfg.compress_ratio(src) if src is not None else 1
     # The floor of SPEC §3 binds replay layers only, in every step, trimmed or not.
     floored = layer > cfg.cut
     scale = q.shape[-1] ** -0.5
-    if _use_triton(cfg.attention_impl, q):
+    if use_triton:
         blocks = view.derived.get(ATTN_BLOCKS)
         if blocks is None:  # a view not built by build_step_batch
             blocks = view.derived[ATTN_BLOCKS] = to_device(attn_row_blocks(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import available, tl, triton  # noqa: F401  (available: callers ask this module)
+from ._triton import KeptKernel, available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK_M = 64
 NUM_FIELDS = 9
@@ -54,11 +54,14 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit
-    def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks,
-                     stride_qt, stride_qh, stride_ot, stride_oh,
-                     window, floored, ratio, has_glob, scale,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    # The strides and the layer's kind are constexprs and ``window`` is not specialised
+    # on: with the pointers' 16-byte alignment (which Triton specialises on, and
+    # ``attend`` puts in its key) and the dtypes, they fix the build (KeptKernel).
+    @triton.jit(do_not_specialize=["window"])
+    def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks, window, scale,
+                     STRIDE_QT: tl.constexpr, STRIDE_QH: tl.constexpr, STRIDE_OT: tl.constexpr,
+                     STRIDE_OH: tl.constexpr, FLOORED: tl.constexpr, RATIO: tl.constexpr,
+                     HAS_GLOB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr):
         bid = tl.program_id(0)
         h = tl.program_id(1)
@@ -67,29 +70,29 @@ if triton is not None:
         nrows = tl.load(meta + 1)
         pos0 = tl.load(meta + 2)
         base = tl.load(meta + 3)
-        if floored:
+        if FLOORED:
             floor = tl.load(meta + 4)
             lo = tl.load(meta + 6)
         else:
             floor = tl.load(meta + 4) * 0
             lo = tl.load(meta + 5)
-        if ratio == 1:
+        if RATIO == 1:
             g_last = tl.load(meta + 7)
         else:
             g_last = tl.load(meta + 8)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         rmask = offs_m < nrows
-        q = tl.load(Q + (row0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        q = tl.load(Q + (row0 + offs_m)[:, None] * STRIDE_QT + h * STRIDE_QH + offs_d[None, :],
                     mask=rmask[:, None], other=0.0)
         pos = pos0 + offs_m
         sink = tl.load(Sink + h).to(tl.float32)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        if has_glob:
-            gbase = base // ratio
-            g_row = (pos + 1) // ratio
+        if HAS_GLOB:
+            gbase = base // RATIO
+            g_row = (pos + 1) // RATIO
             for start in range(0, g_last, BLOCK_N):
                 offs_n = start + tl.arange(0, BLOCK_N)
                 k = tl.load(Kglob + (gbase + offs_n)[:, None] * D + offs_d[None, :],
@@ -105,8 +108,10 @@ if triton is not None:
             ok = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= pos[:, None])
             m_i, l_i, acc = _online_step(q, k, ok, m_i, l_i, acc, scale, PRECISION)
         out = acc / l_i[:, None]
-        tl.store(Out + (row0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        tl.store(Out + (row0 + offs_m)[:, None] * STRIDE_OT + h * STRIDE_OH + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=rmask[:, None])
+
+    _KERNEL = KeptKernel(_attn_kernel)
 
 
 def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | None,
@@ -119,10 +124,12 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
     heads, d = q.shape[1], q.shape[2]
     if q.stride(2) != 1 or out.stride(2) != 1 or not swa.is_contiguous():
         raise ValueError("attention inputs must be contiguous in the head dim")
-    _attn_kernel[(nb, heads)](
-        q, swa, glob if glob is not None else swa, out, sink, blocks,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        window, int(floored), ratio, int(glob is not None), scale,
-        D=d, BLOCK_M=BLOCK_M, BLOCK_N=64,
-        # fp32 models get exact fp32 dots (the tests' tight comparisons); bf16 uses tensor cores.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    has_glob = glob is not None
+    ptrs = (q, swa, glob if has_glob else swa, out, sink, blocks)
+    consts = {"STRIDE_QT": q.stride(0), "STRIDE_QH": q.stride(1), "STRIDE_OT": out.stride(0),
+              "STRIDE_OH": out.stride(1), "FLOORED": bool(floored), "RATIO": ratio, "HAS_GLOB": has_glob,
+              "D": d, "BLOCK_M": BLOCK_M, "BLOCK_N": 64,
+              # fp32 models get exact fp32 dots (the tests' tight comparisons); bf16 uses tensor cores.
+              "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+    key = (q.device.index, *[x.dtype for x in ptrs], *[x.data_ptr() % 16 == 0 for x in ptrs], *consts.values())
+    _KERNEL(key, (nb, heads, 1), q.device, (*ptrs, window, scale), consts)

@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import available, tl, triton  # noqa: F401  (available: callers ask this module)
+from ._triton import KeptKernel, available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK = 64
 
 
 if triton is not None:
-    @triton.jit
-    def _sinkhorn_kernel(x_ptr, out_ptr, n_rows, stride_row, ITERS: tl.constexpr, HC: tl.constexpr,
-                         BLOCK_T: tl.constexpr):
+    # ``n_rows`` is not specialised on and the stride is a constexpr: with the pointers'
+    # alignment (in ``sinkhorn``'s key) and the dtype they fix the build (KeptKernel).
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _sinkhorn_kernel(x_ptr, out_ptr, n_rows, STRIDE_ROW: tl.constexpr, ITERS: tl.constexpr,
+                         HC: tl.constexpr, BLOCK_T: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         i = tl.arange(0, HC)
         j = tl.arange(0, HC)
         mask = (rows < n_rows)[:, None, None]
         cell = i[None, :, None] * HC + j[None, None, :]
         # Rows past the end load zeros: a uniform matrix, finite, never stored.
-        m = tl.load(x_ptr + rows[:, None, None].to(tl.int64) * stride_row + cell, mask=mask, other=0.0)
+        m = tl.load(x_ptr + rows[:, None, None].to(tl.int64) * STRIDE_ROW + cell, mask=mask, other=0.0)
         m = m.to(tl.float32)
         m = tl.exp(m - tl.max(m, axis=2, keep_dims=True))
         m = m / tl.sum(m, axis=2, keep_dims=True)
@@ -32,6 +34,8 @@ if triton is not None:
             m = m / tl.sum(m, axis=1, keep_dims=True)
             m = m / tl.sum(m, axis=2, keep_dims=True)
         tl.store(out_ptr + rows[:, None, None].to(tl.int64) * (HC * HC) + cell, m, mask=mask)
+
+    _KERNEL = KeptKernel(_sinkhorn_kernel)
 
 
 def supports(logits: torch.Tensor) -> bool:
@@ -44,6 +48,8 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     t, hc, _ = logits.shape
     out = torch.empty((t, hc, hc), dtype=torch.float32, device=logits.device)
     if t:
-        _sinkhorn_kernel[(triton.cdiv(t, BLOCK),)](logits, out, t, logits.stride(0), ITERS=iters, HC=hc,
-                                                   BLOCK_T=BLOCK)
+        consts = {"STRIDE_ROW": logits.stride(0), "ITERS": iters, "HC": hc, "BLOCK_T": BLOCK}
+        key = (logits.device.index, logits.dtype, logits.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+               *consts.values())
+        _KERNEL(key, (triton.cdiv(t, BLOCK), 1, 1), logits.device, (logits, out, t), consts)
     return out

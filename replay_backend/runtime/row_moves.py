@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from .. import torch_compat
-from ..models._triton import direct_launcher, tl, triton
+from ..models._triton import kept_launch, tl, triton
 
 MAX_TENSORS = 6
 BLOCK = 1024
@@ -182,12 +182,6 @@ def launch(rows_t: torch.Tensor, srcs: Sequence[torch.Tensor], dsts: Sequence[to
     return build if hasattr(build, "__getitem__") else None
 
 
-def _kept(build) -> Callable:
-    """``launch(grid, stream, *args)`` of a kept build: direct where this Triton allows."""
-    direct = direct_launcher(build)
-    return direct if direct is not None else (lambda grid, stream, *args: build[grid](*args))
-
-
 class RowMoves:
     """Gather into the region and scatter back for the trim op (``ReplayRuntime``): the
     kernel on CUDA, the PyTorch ops elsewhere. Where CUDA tensors cannot take the kernel
@@ -234,7 +228,7 @@ class RowMoves:
                 else:
                     build = launch(rows_t, srcs, dsts, scatter, plan)
                     if build is not None:
-                        self._launchers[plan.key] = _kept(build)
+                        self._launchers[plan.key] = kept_launch(build)
                 return True
             except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
                 why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
