@@ -166,9 +166,15 @@ def validate_requests(requests, layout: CacheLayout, window: int,
 
 
 def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout,
-                     window: int, device, max_num_batched_tokens: int | None = None) -> StepBatch:
+                     window: int, device, max_num_batched_tokens: int | None = None,
+                     inputs_in_metadata: bool = False) -> StepBatch:
     """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens (a
-    list of ints or a 1-D tensor) and ``blocks[i]`` its cache block."""
+    list of ints or a 1-D tensor) and ``blocks[i]`` its cache block.
+
+    ``inputs_in_metadata``: the token ids and positions travel in the metadata's one
+    copy too, as views of it, instead of in two copies of their own. Only for a model
+    that is not called through Dynamo (a served step's direct entry, runtime/direct.py):
+    Dynamo would trace the views' storage offsets as symbols of a new graph."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -203,12 +209,14 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
     last = int64_tensor([q - 1 for q in qsl[1:]])
     blocks = [attn_row_blocks(q, seq_lens, floors, base, window) for q in (qsl, kqsl)]
-    # One copy to the device for the metadata, every field a view of it. The model's
-    # inputs get storage of their own: views of one buffer would make Dynamo trace
-    # their storage offsets as symbols.
+    # One copy to the device for the metadata, every field a view of it, and for the
+    # inputs too where the caller allows (each copy is host time before the first kernel).
     parts = [slots, comp, last, rows_cpu, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *blocks]
-    slots, comp, last, count_rows, rslots, rpos, blk, rblk = aligned_fields(parts, device)
-    ids, pos = to_device(ids, device), to_device(pos, device)
+    if inputs_in_metadata:
+        ids, pos, slots, comp, last, count_rows, rslots, rpos, blk, rblk = aligned_fields([ids, pos, *parts], device)
+    else:
+        slots, comp, last, count_rows, rslots, rpos, blk, rblk = aligned_fields(parts, device)
+        ids, pos = to_device(ids, device), to_device(pos, device)
     view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
     for v, b in ((view, blk), (replay_view, rblk)):

@@ -123,7 +123,7 @@ class StepRunner:
         tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
         blocks = [self.block_of(r.req_id) for r in requests]
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
-                                self.max_num_batched_tokens)
+                                self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,

@@ -347,6 +347,21 @@ def test_stale_main_rows_do_not_leak(shared):
     assert (m.buffers[ids][33:40] == 0).all()
 
 
+def test_padded_rows_are_zero_after_longer_and_shorter_steps(shared):
+    """Padded input rows are cleared only where an earlier, longer step wrote them
+    (CompiledReplayModel._written): after every step of a mixed sequence each token
+    input's padded rows are zero, its real rows the step's inputs."""
+    m = shared.be.model
+    for n in (40, 10, 20, 33, 5, 5, 40, 12):
+        out = compare(shared, [R(f"z{n}", n, n)])
+        tp = out.step.padded_tokens
+        assert out.step.kind == "piecewise" and tp >= n
+        real = sorted(tuple(x.tolist()) for x in (out.batch.input_ids, out.batch.positions))
+        assert sorted(tuple(m.buffers[i][:n].tolist()) for i in m.token_inputs) == real
+        for i in m.token_inputs:
+            assert not m.buffers[i][n:tp].any(), (n, tp, i)
+
+
 def test_stale_replay_rows_do_not_leak(shared):
     m = shared.be.model
     first = compare(shared, [R("a", 15, 15), R("p", 40, 40)])

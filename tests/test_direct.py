@@ -59,6 +59,27 @@ def test_served_steps_skip_dynamo_and_match_the_oracle(model, mode, caplog):
     assert rc.step([R("f", 50, 50)]).trim.trimmed  # graphed or eager, the step trims
 
 
+def test_served_steps_take_their_inputs_from_the_metadata_copy(model):
+    """Once served directly, a step's token ids and positions are views of its one
+    metadata copy (no copies of their own); warm-up steps through Dynamo keep their own
+    storage. Served steps still match the oracle (above); here against a runner without
+    the option, bit for bit."""
+    rc = _runner(model)
+    warm = rc.build_batch(STEPS[0])
+    assert warm.input_ids.untyped_storage().data_ptr() != warm.view.slot_mapping.untyped_storage().data_ptr()
+    rc.capture()
+    plain = _runner(model, direct_dispatch=False)
+    plain.capture()
+    for reqs in STEPS:
+        batch = rc.build_batch(reqs)
+        shared = batch.view.slot_mapping.untyped_storage().data_ptr()
+        assert batch.input_ids.untyped_storage().data_ptr() == shared
+        assert batch.positions.untyped_storage().data_ptr() == shared
+        other = plain.build_batch(reqs)
+        assert torch.equal(batch.input_ids, other.input_ids) and torch.equal(batch.positions, other.positions)
+        assert torch.equal(rc.run(batch).logits, plain.run(other).logits)
+
+
 def _caches(kv) -> list[torch.Tensor]:
     return [*kv.swa, *kv.glob.values(), *kv.raw.values()]
 

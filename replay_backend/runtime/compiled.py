@@ -30,6 +30,7 @@ class CompiledReplayModel:
         self.main_level, self.replay, self.res = main_level, replay, res
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
         self.buffers: dict[int, torch.Tensor] = {}
+        self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
         self.serving = False
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
@@ -96,8 +97,15 @@ class CompiledReplayModel:
             if buf is None:
                 buf = self.buffers[i] = torch.zeros((max(self.main_level.sizes), *x.shape[1:]),
                                                     dtype=x.dtype, device=x.device)
+                self._written[i] = 0
             buf[:t].copy_(x)
-            buf[t:tp].zero_()  # padded rows: valid token 0 at position 0, writes go to the pad slot
+            # Padded rows must be zero (token 0 at position 0, whose writes go to the pad
+            # slot). Rows from ``_written`` on are zero already, so only rows that an
+            # earlier, longer step wrote are cleared: none in a run of equal steps.
+            written = self._written[i]
+            if written > t:
+                buf[t:min(tp, written)].zero_()
+            self._written[i] = written if written > tp else t
             new[i] = buf[:tp]
         for i in self.sym_inputs:
             new[i] = tp
