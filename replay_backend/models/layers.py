@@ -149,6 +149,8 @@ class MoE(nn.Module):
         self.w_down = _param(gen, n_exp, hidden, inter, std=inter ** -0.5)
         self.s_gate_up = _param(gen, 2 * shared, hidden, std=hidden ** -0.5)
         self.s_down = _param(gen, hidden, shared, std=shared ** -0.5)
+        # 0..E-1: the grouped path finds each expert's end in the sorted pairs (not state).
+        self.register_buffer("expert_ids", torch.arange(n_exp), persistent=False)
 
     @staticmethod
     def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -168,7 +170,7 @@ class MoE(nn.Module):
         top_w, top_i = torch.topk(scores, self.top_k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         if self._use_grouped(x):
-            routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, self.w_gate_up, self.w_down)
+            routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, self.w_gate_up, self.w_down, self.expert_ids)
             return self._swiglu(x, self.s_gate_up, self.s_down) + routed
         combine = torch.zeros_like(scores).scatter(1, top_i, top_w).to(x.dtype)
         out = self._swiglu(x, self.s_gate_up, self.s_down)
@@ -178,20 +180,21 @@ class MoE(nn.Module):
 
 
 def _moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor) -> torch.Tensor:
+                w_down: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """Routed experts as grouped GEMMs over (row, expert) pairs sorted by expert.
 
     An opaque op: it permutes rows internally but is row-local as a whole (each output
     row depends on its own input row), which the replay-region check cannot see through
-    an argsort. Device-only work, no host sync, so it can be captured.
+    an argsort. Device-only work, no host sync, so it can be captured. In steps whose
+    main layers run without graphs every op here is a launch on the host's critical
+    path: the group ends come from one search in the sorted experts (``expert_ids`` is
+    0..E-1) rather than a histogram and its prefix sum, and rows are gathered with
+    ``index_select``, lighter on the host than advanced indexing.
     """
     t, k = top_i.shape
-    flat = top_i.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    xs = x[order // k]
-    counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat.int(), torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    experts, order = torch.sort(top_i.reshape(-1), stable=True)
+    xs = x.index_select(0, order // k)
+    offs = torch.searchsorted(experts, expert_ids, right=True, out_int32=True)  # pairs with expert <= e
     g, u = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm((torch.nn.functional.silu(g) * u).to(x.dtype), w_down.transpose(1, 2), offs=offs)
     # Unsort (row p of y is pair order[p]; a permutation, so the copy is deterministic)
@@ -200,10 +203,11 @@ def _moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_ga
     return (y.float() * top_w[..., None]).sum(1).to(x.dtype)
 
 
-def _moe_grouped_fake(x, top_w, top_i, w_gate_up, w_down):
+def _moe_grouped_fake(x, top_w, top_i, w_gate_up, w_down, expert_ids):
     return torch.empty_like(x)
 
 
 moe_grouped = define_op("dsv41::moe_grouped",
-                        "(Tensor x, Tensor top_w, Tensor top_i, Tensor w_gate_up, Tensor w_down) -> Tensor",
+                        "(Tensor x, Tensor top_w, Tensor top_i, Tensor w_gate_up, Tensor w_down, "
+                        "Tensor expert_ids) -> Tensor",
                         _moe_grouped, _moe_grouped_fake)
