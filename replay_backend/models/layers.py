@@ -52,23 +52,26 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
-@torch.library.custom_op("dsv41::sinkhorn", mutates_args=())
-def sinkhorn_fused(logits: torch.Tensor, iters: int) -> torch.Tensor:
+def _sinkhorn_fused(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """:func:`sinkhorn` as one op: one Triton kernel where it can run, else the
     reference. Row-local (each token's matrix alone), no host sync.
 
     Opaque to Inductor: as a ``triton_op`` (Inductor launches the kernel itself, no
     dispatch into Python) it read its strided input correctly but saved no host time
-    (``scripts/sinkhorn_probe.py``). ``tests/test_gpu.py`` checks this op under
-    Inductor with the model's layout."""
+    (``scripts/sinkhorn_probe.py``). Defined by its schema (oplib.py): in pieces run
+    without graphs it is called twice per layer. ``tests/test_gpu.py`` checks this op
+    under Inductor with the model's layout."""
     if logits.is_cuda and sinkhorn_triton.available() and sinkhorn_triton.supports(logits):
         return sinkhorn_triton.sinkhorn(logits, iters)
     return sinkhorn(logits.float(), iters)
 
 
-@sinkhorn_fused.register_fake
-def _(logits, iters):
+def _sinkhorn_fake(logits, iters):
     return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+sinkhorn_fused = define_op("dsv41::sinkhorn", "(Tensor logits, int iters) -> Tensor", _sinkhorn_fused,
+                           _sinkhorn_fake)
 
 
 def mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
