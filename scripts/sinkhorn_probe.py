@@ -1,4 +1,4 @@
-"""The fused Sinkhorn as an opaque custom op against a ``triton_op`` (GPU).
+"""The fused Sinkhorn as an opaque op against a ``triton_op`` (GPU).
 
 The model's op (``dsv41::sinkhorn``) is opaque to Inductor. As a ``triton_op``
 Inductor would launch the kernel from the piece's own code. This probe compiles the
@@ -27,7 +27,7 @@ def _launch(x: torch.Tensor, stride: int) -> torch.Tensor:
     t = x.shape[0]
     out = torch.empty((t, HC, HC), dtype=torch.float32, device=x.device)
     torch.library.wrap_triton(st._sinkhorn_kernel)[(st.triton.cdiv(t, st.BLOCK),)](
-        x, out, t, stride, ITERS=ITERS, HC=HC, BLOCK_T=st.BLOCK)
+        x, out, t, STRIDE_ROW=stride, ITERS=ITERS, HC=HC, BLOCK_T=st.BLOCK)
     return out
 
 
@@ -61,7 +61,7 @@ def main() -> None:
     weight = (torch.randn(n, HC * HIDDEN, generator=gen) * (HC * HIDDEN) ** -0.5).cuda().bfloat16()
     bias = (torch.randn(n, generator=gen) * 0.5).cuda().bfloat16()
     reference = mix(lambda logits: sinkhorn(logits.float(), ITERS))
-    variants = {"custom_op": lambda logits: torch.ops.dsv41.sinkhorn(logits, ITERS),
+    variants = {"opaque_op": lambda logits: torch.ops.dsv41.sinkhorn(logits, ITERS),
                 "triton_op_a": torch.ops.probe.sinkhorn_a, "triton_op_b": torch.ops.probe.sinkhorn_b}
     for name, op in variants.items():
         torch._dynamo.reset()

@@ -81,3 +81,16 @@ def run_interpreted(code: str) -> str:
                           text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
+
+
+def check_interpreted(module: str, check: str) -> None:
+    """``check("cpu")`` from ``tests/<module>.py`` under Triton's interpreter: the CPU
+    run of a kernel's cases that the GPU tests run compiled."""
+    out = run_interpreted(f"""
+        import sys
+        sys.path.insert(0, "tests")
+        from {module} import {check}
+        {check}("cpu")
+        print("checked")
+    """)
+    assert "checked" in out

@@ -3,19 +3,13 @@ the kernel under Triton's interpreter in a child process against the reference o
 (cache_write_cases.py, which test_gpu.py runs compiled), and the kept build's launch."""
 import pytest
 
-from conftest import needs_triton, run_interpreted
+from conftest import check_interpreted, needs_triton
 from replay_backend.models import _triton
+
 
 @needs_triton
 def test_kernel_writes_the_caches_like_the_reference_ops():
-    out = run_interpreted("""
-        import sys
-        sys.path.insert(0, "tests")
-        from cache_write_cases import check_against_reference
-        check_against_reference("cpu")
-        print("caches agree")
-    """)
-    assert "caches agree" in out
+    check_interpreted("cache_write_cases", "check_against_reference")
 
 
 def test_kept_kernel_launches_its_build_directly_after_the_first_call(monkeypatch):
