@@ -4,9 +4,9 @@
 mutation bookkeeping): about 15 us per call on the CI machine's CPU, against about
 2 us for an op defined by its schema with ``torch.library.Library``. The attention
 ops run 40 times per step between graph pieces, the trim op once, and the grouped MoE
-inside every piece run without graphs, so that difference is host time on the step's
-path. To Dynamo, fake tensors and Inductor both kinds of op are the same: a schema
-(with its mutated arguments), a kernel and a fake kernel.
+and the fused Sinkhorn inside every piece run without graphs, so that difference is
+host time on the step's path. To Dynamo, fake tensors and Inductor both kinds of op
+are the same: a schema (with its mutated arguments), a kernel and a fake kernel.
 """
 from __future__ import annotations
 

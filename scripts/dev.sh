@@ -20,9 +20,9 @@ stamp="$venv/.dsv41-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "$py" -m pip install -q -e ".[test]"
     # Triton (the GPU machine's version) where pip has a wheel for this machine: the CPU
-    # tests run the trim op's row-moves kernel under its interpreter (they skip without it).
+    # tests run the row-moves and cache-write kernels under its interpreter (they skip without it).
     "$py" -m pip install -q triton==3.6.0 2>/dev/null \
-        || echo "dev.sh: no Triton wheel here; the kernel's interpreter tests skip" >&2
+        || echo "dev.sh: no Triton wheel here; the kernels' interpreter tests skip" >&2
     touch "$stamp"
 fi
 job="${1:-demo}"
