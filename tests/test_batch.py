@@ -279,6 +279,7 @@ TINY = preset("tiny")
         (dict(window=0), "window must be positive"),
         (dict(attention_impl="flash"), "attention_impl must be auto, reference or triton, got 'flash'"),
         (dict(moe_impl="sparse"), "moe_impl must be auto, dense or grouped, got 'sparse'"),
+        (dict(moe_permute_impl="sort"), "moe_permute_impl must be auto, reference or triton, got 'sort'"),
         (dict(sinkhorn_impl="triton"), "sinkhorn_impl must be reference or fused, got 'triton'"),
     ],
 )

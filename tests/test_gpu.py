@@ -161,6 +161,27 @@ def test_grouped_moe_matches_dense():
     assert max_abs_err(grouped, dense) < 0.05 * dense.abs().max().item()
 
 
+def test_moe_kernels_match_the_pytorch_ops_to_the_bit(monkeypatch):
+    """The grouped MoE's sort, SwiGLU and combine kernels (models/moe_triton.py), compiled: the
+    cases against the ops they replace, then the whole op with and without them on a
+    mini-2k-shaped MoE, with a step above the kernels' size taking the PyTorch ops."""
+    from moe_kernel_cases import check_against_reference
+    from replay_backend.models import moe_triton
+    from replay_backend.models.layers import MoE
+
+    check_against_reference("cuda")
+    gen = torch.Generator().manual_seed(0)
+    moe = MoE(2048, 16, 2, 1024, 1024, gen, impl="grouped").to("cuda", torch.bfloat16)
+    for t in (1000, 4096):
+        x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
+        moe.permute_impl = "reference"
+        want = moe(x)
+        moe.permute_impl = "triton"
+        assert torch.equal(moe(x), want), t
+    monkeypatch.setattr(moe_triton, "MAX_PAIRS", 64)  # 4,096 tokens no longer fit: PyTorch sorts
+    assert torch.equal(moe(x), want)
+
+
 def test_fused_sinkhorn_matches_reference():
     from replay_backend.models import sinkhorn_triton
     from replay_backend.models.layers import sinkhorn

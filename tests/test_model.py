@@ -219,7 +219,7 @@ def test_grouped_moe_op_matches_the_naive_loop():
     top_w, top_i = torch.topk(scores, 2, dim=-1)
     top_w = top_w / top_w.sum(-1, keepdim=True)
     try:
-        routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, moe.w_gate_up, moe.w_down, moe.expert_ids)
+        routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, moe.w_gate_up, moe.w_down, moe.expert_ids, False)
     except (RuntimeError, NotImplementedError) as e:  # a torch without CPU grouped GEMMs
         pytest.skip(f"torch._grouped_mm on CPU: {e}")
     got = routed.double() + MoE._swiglu(x, moe.s_gate_up, moe.s_down).double()

@@ -11,8 +11,9 @@ from .. import torch_compat
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - CPU machines without triton
-    triton = tl = None
+    triton = tl = libdevice = None
 
 
 def available() -> bool:
@@ -69,10 +70,11 @@ class KeptKernel:
     whether it is 16-byte aligned. Every other integer argument must be declared
     ``do_not_specialize`` (and fit in 32 bits). Then the build kept by the key serves
     every later call with that key. Under Triton's interpreter every call takes
-    Triton's entry (it returns no build)."""
+    Triton's entry (it returns no build). ``options``: compile options of every build
+    (e.g. ``enable_fp_fusion=False``), given to Triton's entry only."""
 
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
+    def __init__(self, kernel, **options) -> None:
+        self.kernel, self.options = kernel, options
         self._kept: dict[tuple, Callable] = {}
         self._stream = torch_compat.raw_stream_getter()
 
@@ -82,6 +84,6 @@ class KeptKernel:
         if kept is not None:
             kept(grid, self._stream(device.index), *args, *constexprs.values())
             return
-        build = self.kernel[grid](*args, **constexprs)
+        build = self.kernel[grid](*args, **constexprs, **self.options)
         if hasattr(build, "__getitem__"):  # a compiled build (not the interpreter's None)
             self._kept[key] = kept_launch(build)

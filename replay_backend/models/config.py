@@ -42,6 +42,10 @@ class ModelConfig:
     attention_impl: str = "auto"
     # "auto": grouped GEMMs on CUDA when torch._grouped_mm exists, else dense.
     moe_impl: str = "auto"
+    # The grouped path's sort, SwiGLU and combine: "auto" Triton kernels where triton
+    # is importable (four launches, the same results to the bit), "reference" the
+    # PyTorch ops (about twelve launches), "triton" the kernels or an error.
+    moe_permute_impl: str = "auto"
     # "fused": the mHC Sinkhorn as one op, one Triton kernel on CUDA (the reference math
     # inside the op elsewhere); "reference": PyTorch ops, ~2 kernels per iteration after
     # Inductor and ~160 more graph nodes per layer for Dynamo to trace.
@@ -71,6 +75,8 @@ class ModelConfig:
             problems.append(f"attention_impl must be auto, reference or triton, got {self.attention_impl!r}")
         if self.moe_impl not in ("auto", "dense", "grouped"):
             problems.append(f"moe_impl must be auto, dense or grouped, got {self.moe_impl!r}")
+        if self.moe_permute_impl not in ("auto", "reference", "triton"):
+            problems.append(f"moe_permute_impl must be auto, reference or triton, got {self.moe_permute_impl!r}")
         if self.sinkhorn_impl not in ("reference", "fused"):
             problems.append(f"sinkhorn_impl must be reference or fused, got {self.sinkhorn_impl!r}")
         if problems:

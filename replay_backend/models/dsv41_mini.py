@@ -65,7 +65,7 @@ class FFN(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.moe = MoE(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size,
-                       cfg.shared_intermediate_size, gen, cfg.moe_impl)
+                       cfg.shared_intermediate_size, gen, cfg.moe_impl, cfg.moe_permute_impl)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.moe(self.norm(u))

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..oplib import define_op
-from . import sinkhorn_triton
+from . import moe_triton, sinkhorn_triton
 from .attention_ops import rms_norm
 
 
@@ -144,9 +144,9 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden: int, n_exp: int, top_k: int, inter: int, shared: int,
-                 gen: torch.Generator, impl: str = "auto") -> None:
+                 gen: torch.Generator, impl: str = "auto", permute_impl: str = "auto") -> None:
         super().__init__()
-        self.top_k, self.impl = top_k, impl
+        self.top_k, self.impl, self.permute_impl = top_k, impl, permute_impl
         self.router = _param(gen, n_exp, hidden, std=hidden ** -0.5)
         self.w_gate_up = _param(gen, n_exp, 2 * inter, hidden, std=hidden ** -0.5)
         self.w_down = _param(gen, n_exp, hidden, inter, std=inter ** -0.5)
@@ -168,12 +168,19 @@ class MoE(nn.Module):
             raise RuntimeError("moe_impl='grouped' needs bf16 CUDA tensors and torch._grouped_mm")
         return ok
 
+    def _use_kernels(self) -> bool:
+        """The grouped path's sort, SwiGLU and combine as Triton kernels (moe_triton.py)."""
+        if self.permute_impl == "triton" and not moe_triton.available():
+            raise RuntimeError("moe_permute_impl='triton' but triton is not importable")
+        return self.permute_impl != "reference" and moe_triton.available()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = torch.softmax(mm_fp32(x, self.router), dim=-1)
         top_w, top_i = torch.topk(scores, self.top_k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         if self._use_grouped(x):
-            routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, self.w_gate_up, self.w_down, self.expert_ids)
+            routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, self.w_gate_up, self.w_down, self.expert_ids,
+                                                 self._use_kernels())
             return self._swiglu(x, self.s_gate_up, self.s_down) + routed
         combine = torch.zeros_like(scores).scatter(1, top_i, top_w).to(x.dtype)
         out = self._swiglu(x, self.s_gate_up, self.s_down)
@@ -183,22 +190,33 @@ class MoE(nn.Module):
 
 
 def _moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """Routed experts as grouped GEMMs over (row, expert) pairs sorted by expert.
+                 w_down: torch.Tensor, expert_ids: torch.Tensor, kernels: bool) -> torch.Tensor:
+    """Routed experts as grouped GEMMs over (token, expert) pairs sorted by expert.
 
     An opaque op: it permutes rows internally but is row-local as a whole (each output
     row depends on its own input row), which the replay-region check cannot see through
-    an argsort. Device-only work, no host sync, so it can be captured. In steps whose
-    main layers run without graphs every op here is a launch on the host's critical
-    path: the group ends come from one search in the sorted experts (``expert_ids`` is
-    0..E-1) rather than a histogram and its prefix sum, and rows are gathered with
-    ``index_select``, lighter on the host than advanced indexing.
+    a sort. Device-only work, no host sync, so it can be captured. In steps whose main
+    layers run without graphs every launch here is on the host's critical path:
+    ``kernels`` sorts, applies the SwiGLU and combines with the Triton kernels of
+    moe_triton.py (four launches for about twelve), whose results are the PyTorch ops'
+    to the bit.
     """
     t, k = top_i.shape
-    experts, order = torch.sort(top_i.reshape(-1), stable=True)
-    xs = x.index_select(0, order // k)
-    offs = torch.searchsorted(experts, expert_ids, right=True, out_int32=True)  # pairs with expert <= e
-    g, u = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    kernels = kernels and moe_triton.fits(t, k)
+    if kernels:
+        src_rows, slot_of, offs = moe_triton.route(top_i, expert_ids.shape[0])
+    else:
+        experts, order = torch.sort(top_i.reshape(-1), stable=True)
+        src_rows = order // k
+        # The group ends from one search in the sorted experts (``expert_ids`` is 0..E-1)
+        # rather than a histogram and its prefix sum: fewer launches.
+        offs = torch.searchsorted(experts, expert_ids, right=True, out_int32=True)  # pairs with expert <= e
+    xs = x.index_select(0, src_rows)  # lighter on the host than advanced indexing
+    gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)
+    if kernels:
+        y = torch._grouped_mm(moe_triton.silu_mul(gu), w_down.transpose(1, 2), offs=offs)
+        return moe_triton.combine(y, top_w, slot_of, x.dtype)
+    g, u = gu.chunk(2, dim=-1)
     y = torch._grouped_mm((torch.nn.functional.silu(g) * u).to(x.dtype), w_down.transpose(1, 2), offs=offs)
     # Unsort (row p of y is pair order[p]; a permutation, so the copy is deterministic)
     # and weight per row: a fixed-order sum, so replays are bit-identical.
@@ -206,11 +224,11 @@ def _moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_ga
     return (y.float() * top_w[..., None]).sum(1).to(x.dtype)
 
 
-def _moe_grouped_fake(x, top_w, top_i, w_gate_up, w_down, expert_ids):
+def _moe_grouped_fake(x, top_w, top_i, w_gate_up, w_down, expert_ids, kernels):
     return torch.empty_like(x)
 
 
 moe_grouped = define_op("dsv41::moe_grouped",
                         "(Tensor x, Tensor top_w, Tensor top_i, Tensor w_gate_up, Tensor w_down, "
-                        "Tensor expert_ids) -> Tensor",
+                        "Tensor expert_ids, bool kernels) -> Tensor",
                         _moe_grouped, _moe_grouped_fake)
