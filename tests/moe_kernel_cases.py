@@ -10,9 +10,8 @@ from replay_backend.models.layers import MoE
 
 
 def _routings(device: str):
-    """(top_i, num_experts): one and several blocks of pairs with a partial last one,
-    empty and crowded experts, an expert count that is not a power of two, and a
-    step larger than ``MAX_BLOCKS`` blocks would need if the blocks were not read whole."""
+    """(top_i, num_experts): one to eight blocks of pairs, the last one partial, top_k
+    1 and 2, empty and crowded experts, and expert counts that are not a power of two."""
     gen = torch.Generator().manual_seed(0)
     cases = []
     for tokens, k, experts in ((3, 2, 4), (150, 2, 16), (600, 1, 6), (1000, 2, 16)):

@@ -162,9 +162,10 @@ def test_grouped_moe_matches_dense():
 
 
 def test_moe_kernels_match_the_pytorch_ops_to_the_bit(monkeypatch):
-    """The grouped MoE's sort, SwiGLU and combine kernels (models/moe_triton.py), compiled: the
-    cases against the ops they replace, then the whole op with and without them on a
-    mini-2k-shaped MoE, with a step above the kernels' size taking the PyTorch ops."""
+    """The grouped MoE's sort, SwiGLU and combine kernels (models/moe_triton.py),
+    compiled: the cases against the ops they replace, then the whole op with and without
+    them on a mini-2k-shaped MoE, with a step above the kernels' size taking the
+    PyTorch ops."""
     from moe_kernel_cases import check_against_reference
     from replay_backend.models import moe_triton
     from replay_backend.models.layers import MoE
