@@ -74,7 +74,7 @@ def test_fit_gives_the_row_widths_or_names_the_tensor_and_the_problem():
 
 def test_a_failing_kernel_is_a_counted_fallback_and_the_ops_still_serve(monkeypatch):
     seen = []
-    monkeypatch.setattr(row_moves, "_INTERPRET", True)  # take the kernel's branch on the CPU
+    monkeypatch.setattr(row_moves, "INTERPRETED", True)  # take the kernel's branch on the CPU
     monkeypatch.setattr(row_moves, "triton", object())
     monkeypatch.setattr(row_moves, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
     moves = row_moves.RowMoves(lambda reason, detail: seen.append((reason, detail)))
@@ -102,7 +102,7 @@ def test_layouts_are_checked_once_per_signature_and_the_row_count_every_call(mon
     (direction, tensor count, row counts), the first launch goes through Triton's entry
     and later ones through the kept build, and more replay rows than the kept limit are
     refused (a counted fallback) instead of written past the buffer."""
-    monkeypatch.setattr(row_moves, "_INTERPRET", True)
+    monkeypatch.setattr(row_moves, "INTERPRETED", True)
     monkeypatch.setattr(row_moves, "triton", object())
     checks, entry, kept = [], [], []
     fit = row_moves.fit

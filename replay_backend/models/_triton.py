@@ -2,6 +2,7 @@
 their PyTorch reference where ``available()`` is false (CPU machines without it)."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -16,8 +17,19 @@ except ImportError:  # pragma: no cover - CPU machines without triton
     triton = tl = libdevice = None
 
 
+# Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported) runs the
+# kernels on CPU tensors: the CPU tests use it.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available() -> bool:
     return triton is not None
+
+
+def aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
+    """Whether each tensor starts 16-byte aligned: Triton specialises a pointer argument
+    on it, so a :class:`KeptKernel` key holds it for every pointer it does not exempt."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def direct_launcher(build) -> Callable | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import KeptKernel, available, tl, triton  # noqa: F401  (available: callers ask this module)
+from ._triton import KeptKernel, aligned, available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK_M = 64
 NUM_FIELDS = 9
@@ -131,5 +131,5 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
               "D": d, "BLOCK_M": BLOCK_M, "BLOCK_N": 64,
               # fp32 models get exact fp32 dots (the tests' tight comparisons); bf16 uses tensor cores.
               "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
-    key = (q.device.index, *[x.dtype for x in ptrs], *[x.data_ptr() % 16 == 0 for x in ptrs], *consts.values())
+    key = (q.device.index, *[x.dtype for x in ptrs], *aligned(*ptrs), *consts.values())
     _KERNEL(key, (nb, heads, 1), q.device, (*ptrs, window, scale), consts)

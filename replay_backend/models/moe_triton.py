@@ -28,18 +28,17 @@ specialised on, so one build per model serves every step.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ._triton import KeptKernel, available, libdevice, tl, triton  # noqa: F401  (available: callers ask this module)
+from ._triton import INTERPRETED, KeptKernel, aligned, libdevice, tl, triton
+from ._triton import available  # noqa: F401  (callers ask this module)
 
 BLOCK = 256  # pairs per program of the counting sort
 MAX_BLOCKS = 256  # blocks one sort takes: every program reads all blocks' counts
 MAX_PAIRS = BLOCK * MAX_BLOCKS  # 32,768 tokens at top_k 2; larger steps sort in PyTorch
 BLOCK_H = 1024  # hidden columns per program of the combine and of silu(g) * u
 # Triton's interpreter (the CPU tests) has no libdevice: its exp is numpy's there.
-_ACCURATE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
+_ACCURATE_EXP = not INTERPRETED
 
 
 if triton is not None:
@@ -109,10 +108,6 @@ if triton is not None:
     _COMBINE = KeptKernel(_combine, enable_fp_fusion=False)
 
 
-def _aligned(*ts: torch.Tensor) -> tuple[bool, ...]:
-    return tuple(t.data_ptr() % 16 == 0 for t in ts)
-
-
 def fits(tokens: int, top_k: int) -> bool:
     """Whether one sort takes this many pairs (else the PyTorch ops run)."""
     return tokens * top_k <= MAX_PAIRS
@@ -137,11 +132,11 @@ def route(top_i: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
         blocks = triton.cdiv(n, BLOCK)
         counts = torch.empty((blocks, e_pad), dtype=torch.int32, device=dev)
         count_c = {"E_PAD": e_pad, "BLOCK": BLOCK}
-        _COUNT((dev.index, top_i.dtype, *_aligned(top_i, counts), *count_c.values()), (blocks, 1, 1), dev,
+        _COUNT((dev.index, top_i.dtype, *aligned(top_i, counts), *count_c.values()), (blocks, 1, 1), dev,
                (top_i, counts, n), count_c)
         place_c = {"E": num_experts, "E_PAD": e_pad, "K": k, "BLOCK": BLOCK, "MAX_BLOCKS": MAX_BLOCKS}
         ptrs = (top_i, counts, ends, src_rows, slot_of)
-        _PLACE((dev.index, top_i.dtype, *_aligned(*ptrs), *place_c.values()), (blocks, 1, 1), dev,
+        _PLACE((dev.index, top_i.dtype, *aligned(*ptrs), *place_c.values()), (blocks, 1, 1), dev,
                (*ptrs, n), place_c)
     return src_rows, slot_of, ends
 
@@ -154,7 +149,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     h = torch.empty((p, i), dtype=gu.dtype, device=gu.device)
     if p:
         consts = {"I": i, "BLOCK_I": min(BLOCK_H, triton.next_power_of_2(i)), "ACCURATE_EXP": _ACCURATE_EXP}
-        key = (gu.device.index, gu.dtype, *_aligned(gu, h), *consts.values())
+        key = (gu.device.index, gu.dtype, *aligned(gu, h), *consts.values())
         _SILU_MUL(key, (p, triton.cdiv(i, consts["BLOCK_I"]), 1), gu.device, (gu, h), consts)
     return h
 
@@ -169,6 +164,6 @@ def combine(y: torch.Tensor, top_w: torch.Tensor, slot_of: torch.Tensor, dtype: 
         y, top_w = y.contiguous(), top_w.contiguous()
         consts = {"H": h, "K": k, "BLOCK_H": min(BLOCK_H, triton.next_power_of_2(h))}
         ptrs = (y, top_w, slot_of, out)
-        key = (y.device.index, *(p.dtype for p in ptrs), *_aligned(*ptrs), *consts.values())
+        key = (y.device.index, *(p.dtype for p in ptrs), *aligned(*ptrs), *consts.values())
         _COMBINE(key, (t, triton.cdiv(h, consts["BLOCK_H"]), 1), y.device, ptrs, consts)
     return out

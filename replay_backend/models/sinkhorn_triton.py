@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import KeptKernel, available, tl, triton  # noqa: F401  (available: callers ask this module)
+from ._triton import KeptKernel, aligned, available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK = 64
 
@@ -49,7 +49,6 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     out = torch.empty((t, hc, hc), dtype=torch.float32, device=logits.device)
     if t:
         consts = {"STRIDE_ROW": logits.stride(0), "ITERS": iters, "HC": hc, "BLOCK_T": BLOCK}
-        key = (logits.device.index, logits.dtype, logits.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
-               *consts.values())
+        key = (logits.device.index, logits.dtype, *aligned(logits, out), *consts.values())
         _KERNEL(key, (triton.cdiv(t, BLOCK), 1, 1), logits.device, (logits, out, t), consts)
     return out

@@ -19,19 +19,16 @@ about as much host time as one of the launches.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from .. import torch_compat
-from ..models._triton import kept_launch, tl, triton
+from ..models._triton import INTERPRETED, kept_launch, tl, triton
 
 MAX_TENSORS = 6
 BLOCK = 1024
-# Triton's interpreter runs the kernel on CPU tensors: the CPU tests use it.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -209,7 +206,7 @@ class RowMoves:
         self._broken: str | None = None if triton is not None else "Triton is not installed"
 
     def _kernel(self, srcs, dsts, rows_t, scatter: bool) -> bool:
-        if not (rows_t.is_cuda or _INTERPRET):
+        if not (rows_t.is_cuda or INTERPRETED):
             return False  # the CPU path, not a fallback
         sig = (scatter, len(srcs), srcs[0].shape[0] if srcs else 0, dsts[0].shape[0] if dsts else 0)
         plan = self._plans.get(sig)
