@@ -76,3 +76,32 @@ def test_gzipped_traces_load(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": _trace()}, f)
     assert bench_gaps.analyse_file(str(path)).host_gaps_us == pytest.approx(70)
+
+
+def test_kernels_launched_inside_the_trim_op_are_the_replay_region():
+    # Main kernel 1 [20, 60). The trim op is open on the host over [50, 250): kernel 2
+    # (launched at 55, runs [60, 90)) and kernel 3 (launched at 200, long after the GPU
+    # went idle at 90: a 115 us host-bound gap, runs [205, 225)) are the region's.
+    # Kernel 4, launched at 260 after the op closed, is the main layers' again; so is a
+    # launch on another thread inside the op's span.
+    events = [
+        _op("Torch-Compiled Region", 0, 400),
+        _op(bench_gaps.REGION_OP, 50, 200),
+        _launch(1, 10), _kernel(1, 20, 40),
+        _launch(2, 55), _kernel(2, 60, 30),
+        _launch(3, 200), _kernel(3, 205, 20),
+        _launch(4, 260), _kernel(4, 265, 10),
+        _launch(5, 100, tid=2), _kernel(5, 300, 10),
+    ]
+    reg = bench_gaps.analyse(events).region
+    assert (reg.calls, reg.host_us, reg.kernels) == (1, 200, 2)
+    assert reg.busy_us == 30 + 20
+    assert reg.span_us == 225 - 60
+    assert reg.host_gaps_us == 115
+    assert "replay region (1 trim op calls): host 0.20 ms, 2 kernels, GPU busy 0.05 ms" in reg.render()
+
+
+def test_a_window_without_the_trim_op_says_so():
+    rep = bench_gaps.analyse(_trace())
+    assert rep.region.calls == 0 and rep.region.kernels == 0
+    assert "replay region: no trim op in the window" in rep.render()
