@@ -39,13 +39,18 @@ class RegionReport:
     busy_us: float = 0.0  # GPU time of the region's kernels (overlaps counted once)
     span_us: float = 0.0  # per call, first region kernel start to last end, summed
     host_gaps_us: float = 0.0  # host-bound gaps before region kernels
+    # kernel name -> [total us, count]: what the region's GPU time is spent on
+    by_kernel: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0]))
 
-    def render(self) -> str:
+    def render(self, top: int = 12) -> str:
         if not self.calls:
             return "replay region: no trim op in the window"
-        return (f"replay region ({self.calls} trim op calls): host {self.host_us / 1e3:.2f} ms, "
-                f"{self.kernels} kernels, GPU busy {self.busy_us / 1e3:.2f} ms over a device span of "
-                f"{self.span_us / 1e3:.2f} ms, of it host-bound gaps {self.host_gaps_us / 1e3:.2f} ms")
+        lines = [f"replay region ({self.calls} trim op calls): host {self.host_us / 1e3:.2f} ms, "
+                 f"{self.kernels} kernels, GPU busy {self.busy_us / 1e3:.2f} ms over a device span of "
+                 f"{self.span_us / 1e3:.2f} ms, of it host-bound gaps {self.host_gaps_us / 1e3:.2f} ms"]
+        for name, (us, n) in sorted(self.by_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"  region kernel {us / 1e3:8.3f} ms {n:5d}  {name[:90]}")
+        return "\n".join(lines)
 
 
 @dataclass
@@ -182,6 +187,9 @@ def analyse(events: list[dict], min_gap_us: float = MIN_GAP_US) -> GapReport:
             reg.kernels += 1
             reg.busy_us += busy
             reg.host_gaps_us += gap if host_bound else 0.0
+            slot = reg.by_kernel[k["name"]]
+            slot[0] += k.get("dur", 0)
+            slot[1] += 1
             span = spans.setdefault(call, [k["ts"], k_end])
             span[1] = max(span[1], k_end)
         end = max(end, k_end)

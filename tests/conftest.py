@@ -73,11 +73,27 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+# Triton 3.6's interpreter turns a scalar into an int with ``int(array)``, and its
+# scalars derived from ``tl.program_id`` are 1-element arrays, which numpy 2.4 no longer
+# converts (triton-lang/triton#9171): a loop bound read from a program's metadata
+# fails. The child process squeezes the array first, where the interpreter has the hook.
+_INTERPRETER_SHIM = """
+import triton.runtime.interpreter as _interp
+if hasattr(_interp, "_patch_lang_tensor"):
+    _patch = _interp._patch_lang_tensor
+    def _patch_lang_tensor(tensor, scope, _patch=_patch):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    _interp._patch_lang_tensor = _patch_lang_tensor
+"""
+
+
 def run_interpreted(code: str) -> str:
     """``code`` in a child process under Triton's interpreter (``TRITON_INTERPRET=1``
     must be set before Triton is imported): the CPU tests of the Triton kernels."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+    code = _INTERPRETER_SHIM + textwrap.dedent(code)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout

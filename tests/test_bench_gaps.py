@@ -98,6 +98,7 @@ def test_kernels_launched_inside_the_trim_op_are_the_replay_region():
     assert reg.busy_us == 30 + 20
     assert reg.span_us == 225 - 60
     assert reg.host_gaps_us == 115
+    assert dict(reg.by_kernel) == {"k2": [30, 1], "k3": [20, 1]}
     assert "replay region (1 trim op calls): host 0.20 ms, 2 kernels, GPU busy 0.05 ms" in reg.render()
 
 

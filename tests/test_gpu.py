@@ -309,3 +309,11 @@ def test_capture_survives_a_collection_that_frees_dropped_graphs():
     g.graph.replay()
     torch.testing.assert_close(g.outputs, x + 2000)
     assert gc.isenabled()
+
+
+def test_attention_kernel_whole_and_split_match_the_reference():
+    """The attention kernel with its global keys whole and in chunks, fp32 and bf16
+    (attention_kernel_cases.py; the CPU test runs it under Triton's interpreter)."""
+    import attention_kernel_cases
+
+    attention_kernel_cases.check_against_reference("cuda")

@@ -20,6 +20,10 @@ from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from . import attention_triton, cache_triton
 
+# The view's longest sequence, kept in ``AttnView.derived``: it bounds the global keys
+# any row reads, which sizes the attention kernel's split (attention_triton.split_plan).
+LONGEST = "longest_seq_len"
+
 # Elements of one [heads, rows, keys] score block; bounds temporary memory.
 _SCORE_BUDGET = 1 << 25
 
@@ -136,7 +140,10 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
             blocks = view.derived[ATTN_BLOCKS] = to_device(attn_row_blocks(
                 view.query_start_loc, view.seq_lens, view.kv_start, view.cache_base, cfg.window),
                 q.device).view(-1, attention_triton.NUM_FIELDS)
-        attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale)
+        longest = view.derived.get(LONGEST)
+        if longest is None:  # per view, not per layer
+            longest = view.derived[LONGEST] = max(view.seq_lens)
+        attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale, longest)
         if out.shape[0] > n:
             out[n:] = 0
         return

@@ -7,17 +7,32 @@ last row; per-row masks cut each row's exact set. The online softmax starts at t
 head's sink logit with mass 1, which puts the sink in the denominator and keeps the
 running max finite for rows whose keys are all masked.
 
+Few blocks over many global keys (a replay batch of one long prompt: 2 blocks x 16
+heads = 32 programs walking 4,096 keys in turn, on a GPU of 132 SMs) leave the GPU
+mostly idle while each program loops. Then the global keys are split into chunks, one
+program per (block, head, chunk), each writing its unnormalised partial softmax
+(running max, mass, weighted sum) to a scratch buffer, and a second kernel merges the
+chunks. The plan is host arithmetic on the view's sizes (``split_plan``).
+
 Everything per step is host-built metadata (one small tensor per view), so the op has
 no device-to-host sync.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ._triton import KeptKernel, aligned, available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK_M = 64
+BLOCK_N = 64
 NUM_FIELDS = 9
+# Split the global keys while fewer programs than this many per SM would run, into
+# chunks of at least MIN_CHUNK keys (below that a chunk's fixed cost, its partial's
+# write and read, outweighs the parallelism it adds).
+PROGRAMS_PER_SM = 4
+MIN_CHUNK = 256
 
 
 def row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int,
@@ -40,6 +55,35 @@ def row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int,
     return out
 
 
+def split_plan(num_blocks: int, heads: int, max_global: int, num_sms: int) -> tuple[int, int]:
+    """``(splits, chunk)``: how many chunks of ``chunk`` global keys (a multiple of
+    BLOCK_N) each (block, head) walks in parallel; ``(1, 0)`` for no split. The chunk
+    count brings the programs up to ``PROGRAMS_PER_SM`` per SM, within MIN_CHUNK."""
+    programs = num_blocks * heads
+    want = -(-PROGRAMS_PER_SM * num_sms // max(programs, 1))
+    return chunked(max_global, min(want, max_global // MIN_CHUNK))
+
+
+def chunked(max_global: int, splits: int) -> tuple[int, int]:
+    """``max_global`` keys in about ``splits`` chunks of whole key tiles: ``(splits,
+    chunk)`` after rounding the chunk up, ``(1, 0)`` where that leaves one chunk."""
+    if splits < 2 or max_global <= 0:
+        return 1, 0
+    chunk = -(-max_global // splits)
+    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    splits = -(-max_global // chunk)
+    return (splits, chunk) if splits > 1 else (1, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (a fixed fact, looked up once); Triton's interpreter runs
+    on the CPU, where a split plan needs some count: that of an H200."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
 if triton is not None:
 
     @triton.jit
@@ -54,17 +98,18 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    # The strides and the layer's kind are constexprs and ``window`` is not specialised
-    # on: with the pointers' 16-byte alignment (which Triton specialises on, and
+    # The strides and the layer's kind are constexprs and ``window`` and ``chunk`` are
+    # not specialised on: with the pointers' 16-byte alignment (which Triton specialises on, and
     # ``attend`` puts in its key) and the dtypes, they fix the build (KeptKernel).
-    @triton.jit(do_not_specialize=["window"])
-    def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks, window, scale,
+    @triton.jit(do_not_specialize=["window", "chunk"])
+    def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks, Part, window, chunk, scale,
                      STRIDE_QT: tl.constexpr, STRIDE_QH: tl.constexpr, STRIDE_OT: tl.constexpr,
                      STRIDE_OH: tl.constexpr, FLOORED: tl.constexpr, RATIO: tl.constexpr,
-                     HAS_GLOB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     HAS_GLOB: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         bid = tl.program_id(0)
         h = tl.program_id(1)
+        split = tl.program_id(2)
         meta = Blocks + bid * 9  # NUM_FIELDS
         row0 = tl.load(meta)
         nrows = tl.load(meta + 1)
@@ -87,37 +132,86 @@ if triton is not None:
                     mask=rmask[:, None], other=0.0)
         pos = pos0 + offs_m
         sink = tl.load(Sink + h).to(tl.float32)
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+        # The sink and the SWA keys belong to chunk 0; the other chunks start empty, at
+        # a running max of -1e30: finite, so a tile of masked keys rescales by exp(0).
+        first = split == 0
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.where(first, sink, -1.0e30)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + first.to(tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         if HAS_GLOB:
             gbase = base // RATIO
             g_row = (pos + 1) // RATIO
-            for start in range(0, g_last, BLOCK_N):
+            if SPLIT:
+                g_lo = split * chunk
+                g_hi = tl.minimum(g_lo + chunk, g_last)
+            else:
+                g_lo = 0
+                g_hi = g_last
+            for start in range(g_lo, g_hi, BLOCK_N):
                 offs_n = start + tl.arange(0, BLOCK_N)
                 k = tl.load(Kglob + (gbase + offs_n)[:, None] * D + offs_d[None, :],
-                            mask=(offs_n < g_last)[:, None], other=0.0)
+                            mask=(offs_n < g_hi)[:, None], other=0.0)
                 m_i, l_i, acc = _online_step(q, k, offs_n[None, :] < g_row[:, None], m_i, l_i, acc,
                                              scale, PRECISION)
         lo_row = tl.maximum(tl.maximum(pos - window + 1, floor), 0)
-        hi = pos0 + nrows
+        hi = tl.where(first, pos0 + nrows, lo)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             k = tl.load(Kswa + (base + offs_n)[:, None] * D + offs_d[None, :],
                         mask=(offs_n < hi)[:, None], other=0.0)
             ok = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= pos[:, None])
             m_i, l_i, acc = _online_step(q, k, ok, m_i, l_i, acc, scale, PRECISION)
-        out = acc / l_i[:, None]
+        if SPLIT:
+            # Part: [splits, blocks, heads] records of BLOCK_M maxima, BLOCK_M masses and
+            # the [BLOCK_M, D] weighted sum, all fp32.
+            rec = Part + ((split * tl.num_programs(0) + bid) * tl.num_programs(1) + h) * (BLOCK_M * (D + 2))
+            tl.store(rec + offs_m, m_i)
+            tl.store(rec + BLOCK_M + offs_m, l_i)
+            tl.store(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :], acc)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(Out + (row0 + offs_m)[:, None] * STRIDE_OT + h * STRIDE_OH + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=rmask[:, None])
+
+    @triton.jit(do_not_specialize=["splits"])
+    def _merge_kernel(Part, Out, Blocks, splits, STRIDE_OT: tl.constexpr, STRIDE_OH: tl.constexpr,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The chunks' partial softmaxes of one (block, head) as one: rescaled to their
+        common max, summed, normalised."""
+        bid = tl.program_id(0)
+        h = tl.program_id(1)
+        nb, heads = tl.num_programs(0), tl.num_programs(1)
+        row0 = tl.load(Blocks + bid * 9)  # NUM_FIELDS
+        nrows = tl.load(Blocks + bid * 9 + 1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        rec_size = BLOCK_M * (D + 2)
+        m = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+        for s in range(0, splits):
+            m = tl.maximum(m, tl.load(Part + ((s * nb + bid) * heads + h) * rec_size + offs_m))
+        l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for s in range(0, splits):
+            rec = Part + ((s * nb + bid) * heads + h) * rec_size
+            w = tl.exp(tl.load(rec + offs_m) - m)
+            l_sum += tl.load(rec + BLOCK_M + offs_m) * w
+            acc += tl.load(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :]) * w[:, None]
+        out = acc / l_sum[:, None]
         tl.store(Out + (row0 + offs_m)[:, None] * STRIDE_OT + h * STRIDE_OH + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=rmask[:, None])
+                 out.to(Out.dtype.element_ty), mask=(offs_m < nrows)[:, None])
 
     _KERNEL = KeptKernel(_attn_kernel)
+    _MERGE = KeptKernel(_merge_kernel)
 
 
 def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | None,
            ratio: int, blocks: torch.Tensor, window: int, floored: bool, sink: torch.Tensor,
-           scale: float) -> None:
-    """Write attention for every row covered by ``blocks`` into ``out`` ([T, heads, D])."""
+           scale: float, max_seq_len: int = 0, splits: int | None = None) -> None:
+    """Write attention for every row covered by ``blocks`` into ``out`` ([T, heads, D]).
+
+    ``max_seq_len``: the longest sequence among the view's requests, which bounds the
+    global keys any block reads (0: unknown, no split). ``splits`` forces a chunk count
+    (tests); by default ``split_plan`` picks it."""
     nb = blocks.shape[0]
     if nb == 0:
         return
@@ -125,11 +219,24 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
     if q.stride(2) != 1 or out.stride(2) != 1 or not swa.is_contiguous():
         raise ValueError("attention inputs must be contiguous in the head dim")
     has_glob = glob is not None
-    ptrs = (q, swa, glob if has_glob else swa, out, sink, blocks)
+    max_global = max_seq_len // ratio if has_glob else 0
+    splits, chunk = split_plan(nb, heads, max_global, _num_sms(q.device)) if splits is None \
+        else chunked(max_global, splits)
+    split = splits > 1
+    # The chunks' partial records, fp32. Per call: the op runs eagerly, never inside a
+    # graph, so the caching allocator serves it. Without a split the kernel never
+    # touches it, and ``sink`` stands in.
+    part = torch.empty(splits * nb * heads * BLOCK_M * (d + 2), dtype=torch.float32,
+                       device=q.device) if split else sink
+    ptrs = (q, swa, glob if has_glob else swa, out, sink, blocks, part)
     consts = {"STRIDE_QT": q.stride(0), "STRIDE_QH": q.stride(1), "STRIDE_OT": out.stride(0),
               "STRIDE_OH": out.stride(1), "FLOORED": bool(floored), "RATIO": ratio, "HAS_GLOB": has_glob,
-              "D": d, "BLOCK_M": BLOCK_M, "BLOCK_N": 64,
+              "SPLIT": split, "D": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
               # fp32 models get exact fp32 dots (the tests' tight comparisons); bf16 uses tensor cores.
               "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
     key = (q.device.index, *[x.dtype for x in ptrs], *aligned(*ptrs), *consts.values())
-    _KERNEL(key, (nb, heads, 1), q.device, (*ptrs, window, scale), consts)
+    _KERNEL(key, (nb, heads, splits), q.device, (*ptrs, window, chunk, scale), consts)
+    if split:
+        mconsts = {"STRIDE_OT": out.stride(0), "STRIDE_OH": out.stride(1), "D": d, "BLOCK_M": BLOCK_M}
+        mkey = (q.device.index, out.dtype, *aligned(part, out, blocks), *mconsts.values())
+        _MERGE(mkey, (nb, heads, 1), q.device, (part, out, blocks, splits), mconsts)

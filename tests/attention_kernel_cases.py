@@ -1,0 +1,84 @@
+"""The attention kernel (models/attention_triton.py), whole and with its global keys
+split into chunks, against the PyTorch reference of one request's attention: the
+cases shared by the CPU test (under Triton's interpreter, in a child process) and the
+GPU test."""
+import torch
+
+from replay_backend.models import attention_triton
+from replay_backend.models.attention_ops import _attend_request
+
+WINDOW = 32
+MAX_LEN = 1024  # cache rows per request
+
+
+def _cases():
+    """(query lens, seq lens, floors, ratio or None): a replay batch of one long prompt
+    (two row blocks, 700 global keys), the same on a ratio-2 cache, decodes and a short
+    chunk beside a long one (blocks whose global counts differ, so some chunks are empty
+    for some blocks), a block wholly below its floor, and an SWA-only layer."""
+    return [
+        ([100], [700], [668], 1),
+        ([100], [700], [668], 2),
+        ([1, 70, 1, 3], [900, 200, 65, 513], [0, 0, 0, 0], 1),
+        ([150], [1000], [990], 2),
+        ([40, 60], [300, 800], [268, 0], None),
+    ]
+
+
+def _run_case(device, qlens, seq_lens, floors, ratio, dtype, gen):
+    heads, d = 2, 64
+    n = len(qlens)
+    base = [i * MAX_LEN for i in range(n)]
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    q = torch.randn(qsl[-1], heads, d, generator=gen).to(device, dtype)
+    swa = torch.randn(n * MAX_LEN, d, generator=gen).to(device, dtype)
+    glob = torch.randn(n * MAX_LEN // (ratio or 1), d, generator=gen).to(device, dtype) if ratio else None
+    sink = torch.randn(heads, generator=gen).to(device, dtype)
+    blocks = torch.tensor(attention_triton.row_blocks(qsl, seq_lens, floors, base, WINDOW),
+                          dtype=torch.int64, device=device).view(-1, attention_triton.NUM_FIELDS)
+    scale = d ** -0.5
+    want = torch.empty(qsl[-1], heads, d, dtype=torch.float32, device=device)
+    for i, seq_len in enumerate(seq_lens):
+        g = glob[base[i] // ratio:base[i] // ratio + seq_len // ratio] if ratio else None
+        want[qsl[i]:qsl[i + 1]] = _attend_request(q[qsl[i]:qsl[i + 1]], swa[base[i]:base[i] + seq_len], g,
+                                                  ratio or 1, seq_len, floors[i], WINDOW, sink, scale)
+    outs = {}
+    for splits in (None, 1, 2, 3, 6):
+        out = torch.full((qsl[-1], heads, d), float("nan"), dtype=dtype, device=device)
+        attention_triton.attend(q, out, swa, glob, ratio or 1, blocks, WINDOW, True, sink, scale,
+                                max(seq_lens), splits=splits)
+        outs[splits] = out
+    return want, outs
+
+
+def check_against_reference(device: str) -> None:
+    """Every case, whole and in 2, 3 and 6 chunks (after rounding to whole key tiles:
+    a 700-key cache in 6 chunks is 6 of 128), within fp32 rounding of the reference;
+    on the GPU in bf16 too, within a bf16 rounding (Triton's interpreter computes the
+    kernel's bf16 dots on the raw bits: garbage there, for the whole kernel as for the
+    split)."""
+    gen = torch.Generator().manual_seed(0)
+    dtypes = [(torch.float32, 2e-5)] + ([(torch.bfloat16, 2e-2)] if device != "cpu" else [])
+    for dtype, tol in dtypes:
+        for case in _cases():
+            want, outs = _run_case(device, *case, dtype, gen)
+            for splits, out in outs.items():
+                err = (out.float() - want).abs().max().item()
+                assert err < tol, (case, dtype, splits, err)
+
+
+def check_split_plan() -> None:
+    """The plan splits only few programs over many keys, in whole tiles, at least
+    MIN_CHUNK keys each."""
+    plan = attention_triton.split_plan
+    assert plan(2, 16, 4096, 132) == (16, 256)  # one long prompt's replay rows
+    assert plan(2, 16, 8192, 132) == (16, 512)  # 17 wanted, rounded to whole tiles
+    assert plan(16, 16, 1024, 132) == (3, 384)
+    assert plan(64, 16, 4096, 132) == (1, 0)  # 1,024 programs: enough already
+    assert plan(2, 16, 300, 132) == (1, 0)  # too few keys to split
+    assert plan(2, 16, 0, 132) == (1, 0)  # no global keys (SWA-only layers)
+    assert attention_triton.chunked(700, 6) == (6, 128)
+    assert attention_triton.chunked(100, 3) == (2, 64)
+    assert attention_triton.chunked(60, 3) == (1, 0)
