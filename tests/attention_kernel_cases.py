@@ -70,14 +70,15 @@ def check_against_reference(device: str) -> None:
 
 
 def check_split_plan() -> None:
-    """The plan splits only few programs over many keys, in whole tiles, at least
-    MIN_CHUNK keys each."""
+    """The plan splits only few programs over many keys (from MIN_SPLIT_KEYS), in
+    whole tiles, at least MIN_CHUNK keys each."""
     plan = attention_triton.split_plan
     assert plan(2, 16, 4096, 132) == (16, 256)  # one long prompt's replay rows
     assert plan(2, 16, 8192, 132) == (16, 512)  # 17 wanted, rounded to whole tiles
-    assert plan(16, 16, 1024, 132) == (3, 384)
+    assert plan(2, 16, 2048, 132) == (8, 256)  # the fewest keys that split
+    assert plan(16, 16, 8192, 132) == (3, 2752)  # a 1,024-row chunk after 7K tokens
     assert plan(64, 16, 4096, 132) == (1, 0)  # 1,024 programs: enough already
-    assert plan(2, 16, 300, 132) == (1, 0)  # too few keys to split
+    assert plan(2, 16, 2047, 132) == (1, 0)  # too few keys to split
     assert plan(2, 16, 0, 132) == (1, 0)  # no global keys (SWA-only layers)
     assert attention_triton.chunked(700, 6) == (6, 128)
     assert attention_triton.chunked(100, 3) == (2, 64)

@@ -30,9 +30,14 @@ BLOCK_N = 64
 NUM_FIELDS = 9
 # Split the global keys while fewer programs than this many per SM would run, into
 # chunks of at least MIN_CHUNK keys (below that a chunk's fixed cost, its partial's
-# write and read, outweighs the parallelism it adds).
+# write and read, outweighs the parallelism it adds), and only from MIN_SPLIT_KEYS on:
+# below, the whole walk is short, and the split's second launch and scratch buffer
+# cost more host time than it saves (scripts/attention_split_probe.py, on the H200:
+# 128 rows over 1,024 keys took 65 us per call whole and 76 us split, 4,096 keys 147
+# and 79 us).
 PROGRAMS_PER_SM = 4
 MIN_CHUNK = 256
+MIN_SPLIT_KEYS = 2048
 
 
 def row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int,
@@ -58,7 +63,10 @@ def row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int,
 def split_plan(num_blocks: int, heads: int, max_global: int, num_sms: int) -> tuple[int, int]:
     """``(splits, chunk)``: how many chunks of ``chunk`` global keys (a multiple of
     BLOCK_N) each (block, head) walks in parallel; ``(1, 0)`` for no split. The chunk
-    count brings the programs up to ``PROGRAMS_PER_SM`` per SM, within MIN_CHUNK."""
+    count brings the programs up to ``PROGRAMS_PER_SM`` per SM, within MIN_CHUNK, where
+    the blocks read at least MIN_SPLIT_KEYS global keys."""
+    if max_global < MIN_SPLIT_KEYS:
+        return 1, 0
     programs = num_blocks * heads
     want = -(-PROGRAMS_PER_SM * num_sms // max(programs, 1))
     return chunked(max_global, min(want, max_global // MIN_CHUNK))
