@@ -23,8 +23,8 @@ from replay_backend.models import attention_triton as at
 
 HEADS, D, WINDOW = 16, 128, 128
 SHAPES = [  # (rows, seq_len, ratio): replay rows of one prompt, then whole prompts
-    (128, 1024, 1), (128, 2048, 1), (128, 4096, 1), (128, 8192, 1), (128, 16384, 1), (128, 32768, 1), (1024, 8192, 1),
-    (1024, 1024, 1), (1024, 1024, 2), (4096, 4096, 1), (4096, 4096, 2),
+    (128, 1024, 1), (128, 2048, 1), (128, 4096, 1), (128, 8192, 1), (128, 16384, 1), (128, 32768, 1),
+    (1024, 8192, 1), (1024, 1024, 1), (1024, 1024, 2), (4096, 4096, 1), (4096, 4096, 2),
 ]
 
 
@@ -79,7 +79,8 @@ def main() -> None:
             wall[name], gpu[name] = _time(call), _gpu_us(call)
         diff = (outs["whole"].float() - outs["split"].float()).abs().max().item()
         print(f"{rows:5d} {seq_len:8d} {ratio:5d} {blocks.shape[0]:7d}  {str(plan):20s} "
-              f"{wall['whole']:9.1f} / {wall['split']:7.1f}  {gpu['whole']:9.1f} / {gpu['split']:7.1f}  {diff:.3g}")
+              f"{wall['whole']:9.1f} / {wall['split']:7.1f}  {gpu['whole']:9.1f} / {gpu['split']:7.1f}  "
+              f"{diff:.3g}")
 
 
 if __name__ == "__main__":

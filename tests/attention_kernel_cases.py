@@ -83,3 +83,38 @@ def check_split_plan() -> None:
     assert attention_triton.chunked(700, 6) == (6, 128)
     assert attention_triton.chunked(100, 3) == (2, 64)
     assert attention_triton.chunked(60, 3) == (1, 0)
+
+
+def check_model_steps_split(device: str) -> None:
+    """The model's attention ops with splits planned as for long prompts (the thresholds
+    lowered to 64 keys, so that this small model's steps split): the Triton model's
+    logits and KV against the reference model's, fp32. In each compared step the five
+    layers that read the ratio-1 cache (3-7: main and replay layers) split; the ratio-2
+    layers' 100 or fewer entries stay whole; with ``attention_split=False`` none split."""
+    from conftest import small_config
+    from replay_backend import RequestChunk, StepRunner, build_model
+    from replay_backend.compare import max_abs_err, max_abs_err_kv
+
+    at = attention_triton
+    saved = at.MIN_SPLIT_KEYS, at.MIN_CHUNK, at._MERGE
+    at.MIN_SPLIT_KEYS = at.MIN_CHUNK = 64
+    merges = []
+    at._MERGE = lambda *args: (merges.append(args[1]), saved[2](*args))
+    try:
+        cfg = small_config().replace(moe_impl="dense")
+        variants = [(dict(attention_impl="reference"), None), (dict(attention_impl="triton"), 5),
+                    (dict(attention_impl="triton", attention_split=False), 0)]  # (options, merges per step)
+        runs = [StepRunner(build_model(cfg.replace(**opts), device, torch.float32), max_model_len=256)
+                for opts, _ in variants]
+        for reqs in ([RequestChunk("a", 70, 200)], [RequestChunk("b", 1, 150), RequestChunk("c", 60, 180)]):
+            outs = []
+            for runner, (opts, want_merges) in zip(runs, variants):
+                runner.prefill_context(reqs)
+                merges.clear()
+                outs.append(runner.step(reqs))
+                assert want_merges is None or len(merges) == want_merges, (opts, reqs, merges)
+            for run, out in zip(runs[1:], outs[1:]):
+                assert max_abs_err(out.logits, outs[0].logits) < 1e-3, reqs
+                assert max_abs_err_kv(run.kv, runs[0].kv, out.batch) < 1e-3, reqs
+    finally:
+        at.MIN_SPLIT_KEYS, at.MIN_CHUNK, at._MERGE = saved

@@ -13,3 +13,8 @@ def test_kernel_whole_and_split_matches_the_reference():
 
 def test_split_plan_splits_only_few_programs_over_many_keys():
     check_split_plan()
+
+
+@needs_triton
+def test_model_steps_with_split_attention_match_the_reference_model():
+    check_interpreted("attention_kernel_cases", "check_model_steps_split")

@@ -280,6 +280,7 @@ TINY = preset("tiny")
         (dict(attention_impl="flash"), "attention_impl must be auto, reference or triton, got 'flash'"),
         (dict(moe_impl="sparse"), "moe_impl must be auto, dense or grouped, got 'sparse'"),
         (dict(moe_permute_impl="sort"), "moe_permute_impl must be auto, reference or triton, got 'sort'"),
+        (dict(attention_split="no"), "attention_split must be true or false, got 'no'"),
         (dict(sinkhorn_impl="triton"), "sinkhorn_impl must be reference or fused, got 'triton'"),
     ],
 )

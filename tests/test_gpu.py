@@ -312,8 +312,10 @@ def test_capture_survives_a_collection_that_frees_dropped_graphs():
 
 
 def test_attention_kernel_whole_and_split_match_the_reference():
-    """The attention kernel with its global keys whole and in chunks, fp32 and bf16
-    (attention_kernel_cases.py; the CPU test runs it under Triton's interpreter)."""
+    """The attention kernel with its global keys whole and in chunks, fp32 and bf16, and
+    the model's steps with splits planned (attention_kernel_cases.py; the CPU tests run
+    both under Triton's interpreter, fp32)."""
     import attention_kernel_cases
 
     attention_kernel_cases.check_against_reference("cuda")
+    attention_kernel_cases.check_model_steps_split("cuda")

@@ -143,7 +143,8 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
         longest = view.derived.get(LONGEST)
         if longest is None:  # per view, not per layer
             longest = view.derived[LONGEST] = max(view.seq_lens)
-        attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale, longest)
+        attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale,
+                                longest if cfg.attention_split else 0)
         if out.shape[0] > n:
             out[n:] = 0
         return

@@ -30,11 +30,12 @@ BLOCK_N = 64
 NUM_FIELDS = 9
 # Split the global keys while fewer programs than this many per SM would run, into
 # chunks of at least MIN_CHUNK keys (below that a chunk's fixed cost, its partial's
-# write and read, outweighs the parallelism it adds), and only from MIN_SPLIT_KEYS on:
-# below, the whole walk is short, and the split's second launch and scratch buffer
-# cost more host time than it saves (scripts/attention_split_probe.py, on the H200:
-# 128 rows over 1,024 keys took 65 us per call whole and 76 us split, 4,096 keys 147
-# and 79 us).
+# write and read, outweighs the parallelism it adds), and only from MIN_SPLIT_KEYS on.
+# Below it the walk is short and the split's merge launch and scratch buffer cost about
+# what it saves; on the H200 (scripts/attention_split_probe.py, wall time per call) a
+# 1,024-token step took 54.7 us whole and 57.7 us in 3 chunks over 1,024 keys, 42.7 and
+# 66.6 us in 2 over 512 ratio-2 entries, while 128 rows over 2,048 keys take 58.7 us
+# of GPU time whole and 18.6 us in 8 chunks.
 PROGRAMS_PER_SM = 4
 MIN_CHUNK = 256
 MIN_SPLIT_KEYS = 2048
@@ -106,9 +107,10 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    # The strides and the layer's kind are constexprs and ``window`` and ``chunk`` are
-    # not specialised on: with the pointers' 16-byte alignment (which Triton specialises on, and
-    # ``attend`` puts in its key) and the dtypes, they fix the build (KeptKernel).
+    # The strides, the layer's kind and whether it splits are constexprs, and ``window``
+    # and ``chunk`` are not specialised on: with the pointers' 16-byte alignment (which
+    # Triton specialises on, and ``attend`` puts in its key) and the dtypes, they fix the
+    # build (KeptKernel).
     @triton.jit(do_not_specialize=["window", "chunk"])
     def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks, Part, window, chunk, scale,
                      STRIDE_QT: tl.constexpr, STRIDE_QH: tl.constexpr, STRIDE_OT: tl.constexpr,

@@ -46,6 +46,10 @@ class ModelConfig:
     # is importable (four launches, the same results to the bit), "reference" the
     # PyTorch ops (about twelve launches), "triton" the kernels or an error.
     moe_permute_impl: str = "auto"
+    # The Triton attention may split a call's global keys into chunks walked in parallel
+    # (few row blocks over many keys, as in a long prompt's replay rows); False keeps
+    # every call whole (one kernel, as before the split).
+    attention_split: bool = True
     # "fused": the mHC Sinkhorn as one op, one Triton kernel on CUDA (the reference math
     # inside the op elsewhere); "reference": PyTorch ops, ~2 kernels per iteration after
     # Inductor and ~160 more graph nodes per layer for Dynamo to trace.
@@ -77,6 +81,8 @@ class ModelConfig:
             problems.append(f"moe_impl must be auto, dense or grouped, got {self.moe_impl!r}")
         if self.moe_permute_impl not in ("auto", "reference", "triton"):
             problems.append(f"moe_permute_impl must be auto, reference or triton, got {self.moe_permute_impl!r}")
+        if not isinstance(self.attention_split, bool):
+            problems.append(f"attention_split must be true or false, got {self.attention_split!r}")
         if self.sinkhorn_impl not in ("reference", "fused"):
             problems.append(f"sinkhorn_impl must be reference or fused, got {self.sinkhorn_impl!r}")
         if problems:
