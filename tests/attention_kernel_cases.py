@@ -88,9 +88,10 @@ def check_split_plan() -> None:
 def check_model_steps_split(device: str) -> None:
     """The model's attention ops with splits planned as for long prompts (the thresholds
     lowered to 64 keys, so that this small model's steps split): the Triton model's
-    logits and KV against the reference model's, fp32. In each compared step the five
-    layers that read the ratio-1 cache (3-7: main and replay layers) split; the ratio-2
-    layers' 100 or fewer entries stay whole; with ``attention_split=False`` none split."""
+    logits and KV against the reference model's, fp32, on five layers (sources 1 and 3,
+    replay layer 4). In each compared step the two layers that read the ratio-1 cache
+    (3, a main layer, and 4) split; the ratio-2 layers' 70 or fewer entries stay whole;
+    with ``attention_split=False`` none split."""
     from conftest import small_config
     from replay_backend import RequestChunk, StepRunner, build_model
     from replay_backend.compare import max_abs_err, max_abs_err_kv
@@ -101,12 +102,12 @@ def check_model_steps_split(device: str) -> None:
     merges = []
     at._MERGE = lambda *args: (merges.append(args[1]), saved[2](*args))
     try:
-        cfg = small_config().replace(moe_impl="dense")
-        variants = [(dict(attention_impl="reference"), None), (dict(attention_impl="triton"), 5),
+        cfg = small_config().with_layers(5, (1, 3)).replace(moe_impl="dense")
+        variants = [(dict(attention_impl="reference"), None), (dict(attention_impl="triton"), 2),
                     (dict(attention_impl="triton", attention_split=False), 0)]  # (options, merges per step)
         runs = [StepRunner(build_model(cfg.replace(**opts), device, torch.float32), max_model_len=256)
                 for opts, _ in variants]
-        for reqs in ([RequestChunk("a", 70, 200)], [RequestChunk("b", 1, 150), RequestChunk("c", 60, 180)]):
+        for reqs in ([RequestChunk("a", 40, 140)], [RequestChunk("b", 1, 100), RequestChunk("c", 40, 130)]):
             outs = []
             for runner, (opts, want_merges) in zip(runs, variants):
                 runner.prefill_context(reqs)
