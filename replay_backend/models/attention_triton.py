@@ -107,6 +107,14 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
         return m_new, l_i, acc
 
+    @triton.jit
+    def _record(Part, split, bid, h, REC: tl.constexpr):
+        """Where the partial record of (chunk, block, head) starts: ``Part`` holds
+        [chunks, blocks, heads] records of REC fp32 values (BLOCK_M maxima, BLOCK_M
+        masses, then the [BLOCK_M, D] weighted sum); both kernels' grids are (blocks,
+        heads, ...)."""
+        return Part + ((split * tl.num_programs(0) + bid) * tl.num_programs(1) + h) * REC
+
     # The strides, the layer's kind and whether it splits are constexprs, and ``window``
     # and ``chunk`` are not specialised on: with the pointers' 16-byte alignment (which
     # Triton specialises on, and ``attend`` puts in its key) and the dtypes, they fix the
@@ -172,9 +180,7 @@ if triton is not None:
             ok = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= pos[:, None])
             m_i, l_i, acc = _online_step(q, k, ok, m_i, l_i, acc, scale, PRECISION)
         if SPLIT:
-            # Part: [splits, blocks, heads] records of BLOCK_M maxima, BLOCK_M masses and
-            # the [BLOCK_M, D] weighted sum, all fp32.
-            rec = Part + ((split * tl.num_programs(0) + bid) * tl.num_programs(1) + h) * (BLOCK_M * (D + 2))
+            rec = _record(Part, split, bid, h, BLOCK_M * (D + 2))
             tl.store(rec + offs_m, m_i)
             tl.store(rec + BLOCK_M + offs_m, l_i)
             tl.store(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :], acc)
@@ -190,19 +196,17 @@ if triton is not None:
         common max, summed, normalised."""
         bid = tl.program_id(0)
         h = tl.program_id(1)
-        nb, heads = tl.num_programs(0), tl.num_programs(1)
         row0 = tl.load(Blocks + bid * 9)  # NUM_FIELDS
         nrows = tl.load(Blocks + bid * 9 + 1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        rec_size = BLOCK_M * (D + 2)
         m = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
         for s in range(0, splits):
-            m = tl.maximum(m, tl.load(Part + ((s * nb + bid) * heads + h) * rec_size + offs_m))
+            m = tl.maximum(m, tl.load(_record(Part, s, bid, h, BLOCK_M * (D + 2)) + offs_m))
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         for s in range(0, splits):
-            rec = Part + ((s * nb + bid) * heads + h) * rec_size
+            rec = _record(Part, s, bid, h, BLOCK_M * (D + 2))
             w = tl.exp(tl.load(rec + offs_m) - m)
             l_sum += tl.load(rec + BLOCK_M + offs_m) * w
             acc += tl.load(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :]) * w[:, None]
