@@ -4,8 +4,9 @@ the GPU is doing when the host launches it.
 usage: python3 scripts/graph_launch_probe.py [--calls 200] [--nodes 1,4,16,64] [--rotation 1,10,100,1000]
        [--depth 3000]
 
-For graphs of N tiny kernels, and for one tiny kernel launched directly, host time per
-launch (median of ``--calls``) in three states of the device:
+For graphs of N tiny kernels, for one tiny kernel launched directly, and for the trim
+op's stage (a small device-to-device copy, by ``copy_`` or by an elementwise kernel), host
+time per launch (median of ``--calls``) in three states of the device:
   idle   the device has nothing queued (synchronised before each launch);
   busy   one long kernel runs (a ~2 ms spin), nothing else is queued;
   queued the spin and 2,000 tiny kernels are queued ahead of the launch.
@@ -69,6 +70,13 @@ def main() -> None:
     x = torch.zeros(4, device="cuda")
     y = torch.zeros(4, device="cuda")
     launches = {"kernel (no graph)": lambda: y.add_(1)}
+    # The trim op's stage: 129 int64 (a count and 128 rows) from the step's metadata
+    # into the gather graph's fixed index buffer, by the driver's copy or by a kernel.
+    meta, index = torch.zeros(4096, dtype=torch.int64, device="cuda"), torch.zeros(4097, dtype=torch.int64, device="cuda")
+    src, dst = meta[64:193], index[:129]
+    launches["stage: copy_ (memcpy)"] = lambda: dst.copy_(src)
+    launches["stage: mul(out=)"] = lambda: torch.mul(src, 1, out=dst)
+    launches["stage: add(out=)"] = lambda: torch.add(src, 0, out=dst)
     for n in (int(v) for v in args.nodes.split(",")):
         launches[f"graph of {n} kernels"] = graph_of(n, y).replay
     states = ("idle", "busy", "queued")

@@ -3,11 +3,13 @@ of one prompt after another, as in served steps, then a cProfile of the op witho
 region.
 
 usage: python3 scripts/trim_probe.py [--preset tiny] [--layers N] [--isl 1024] [--steps 50] [--no-study]
+       [--sizes 512,1024]
 
-The main sizes captured are 512 and 1024: ``--isl 1024`` takes the graphed path (the
-gathers and scatter as graphs, trim_io.py), ``--isl 2048`` the path of steps whose main
-layers run without graphs (one row-moves launch each way, row_moves.py; their host
-times are printed too). ``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to
+The main sizes captured are ``--sizes`` (512 and 1024 unless told): ``--isl 1024`` takes
+the graphed path (the gathers and scatter as graphs, trim_io.py), ``--isl 2048`` the
+path of steps whose main layers run without graphs (one row-moves launch each way,
+row_moves.py; their host times are printed too); ``--isl 4096 --sizes 512,1024,4096``
+the graphed path at 4,096 tokens. ``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to
 compile; the trim op's host work does not depend on the layer count).
 
 On the GPU it then looks at where the op waits for the device inside real steps
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--isl", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--sizes", default="512,1024", help="main capture sizes")
     ap.add_argument("--no-study", action="store_true", help="skip trim_launches.py's study (GPU)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()  # on the CPU the graphs are emulated: a smoke test only
@@ -57,7 +60,8 @@ def main() -> None:
     if args.layers:
         cfg = cfg.with_layers(args.layers, (1, 3))
     model = build_model(cfg, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
-    be = ReplayBackend(ReplayConfig.from_options({"compiler": "eager", "cudagraph_capture_sizes": [512, 1024]}))
+    sizes = [int(v) for v in args.sizes.split(",")]
+    be = ReplayBackend(ReplayConfig.from_options({"compiler": "eager", "cudagraph_capture_sizes": sizes}))
     runner = StepRunner(model, backend=be, max_num_seqs=2, max_model_len=args.isl + 256)
     runner.capture()
     rep = be.model.replay
