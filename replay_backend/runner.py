@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -20,6 +21,7 @@ from . import torch_compat
 from .batch import AttnView, RequestChunk, StepBatch, build_step_batch, validate_requests
 from .forward_context import ForwardContext, StepInfo, set_forward_context
 from .kv_cache import CacheLayout, KVCaches
+from .models import attention_ops, attention_triton
 from .models.dsv41_mini import DSv41Mini
 from .runtime import direct
 
@@ -212,11 +214,16 @@ class StepRunner:
                  len(learned.template), sum(a is not None for a in learned.template))
 
     @torch.inference_mode()
-    def dummy_batch(self, num_tokens: int) -> StepBatch:
+    def dummy_batch(self, num_tokens: int, context: int = 0) -> StepBatch:
         """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most W
-        tokens (so all rows are replay rows), every KV write aimed at the pad slot."""
-        w = min(self.cfg.window, self.layout.max_model_len)
-        reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s))
+        tokens (so all rows are replay rows), every KV write aimed at the pad slot. The
+        first request's rows follow ``context`` positions, whose cache entries its
+        attention reads (whatever they hold: the output is thrown away)."""
+        w = min(self.cfg.window, self.layout.max_model_len - context)
+        if w < 1:
+            raise ValueError(f"context={context} leaves no room in max_model_len={self.layout.max_model_len}")
+        reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s),
+                             min(w, num_tokens - s) + (context if i == 0 else 0))
                 for i, s in enumerate(range(0, num_tokens, w))]
         tokens = [[0] * r.query_len for r in reqs]
         b = build_step_batch(reqs, tokens, [0] * len(reqs), self.layout, self.cfg.window, self.device)
@@ -257,5 +264,20 @@ class StepRunner:
         with self._dummy_context(), torch.inference_mode():
             summary = compiled.capture(lambda n: self.run(self.dummy_batch(n)),
                                        lambda n: self.dummy_batch(n).replay.view)
+        self._build_split_attention()
         self.start_serving()
         return summary
+
+    def _build_split_attention(self) -> None:
+        """One step (no graphs) whose attention takes the kernel's split variants, so that
+        no served step builds them (attention_ops.split_warmup_seq_len)."""
+        seq_len = attention_ops.split_warmup_seq_len(self.cfg, self.layout.max_model_len, self.device)
+        if not seq_len:
+            return
+        # One block of rows: few programs, which is when the plan splits.
+        rows = min(self.cfg.window, attention_triton.BLOCK_M, seq_len)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.run(self.dummy_batch(rows, context=seq_len - rows), use_graphs=False)
+        log.info("dsv41_replay: attention split variants ready (a %d-token context) in %.1f s",
+                 seq_len, time.perf_counter() - t0)

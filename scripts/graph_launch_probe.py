@@ -72,8 +72,8 @@ def main() -> None:
     launches = {"kernel (no graph)": lambda: y.add_(1)}
     # The trim op's stage: 129 int64 (a count and 128 rows) from the step's metadata
     # into the gather graph's fixed index buffer, by the driver's copy or by a kernel.
-    meta, index = torch.zeros(4096, dtype=torch.int64, device="cuda"), torch.zeros(4097, dtype=torch.int64, device="cuda")
-    src, dst = meta[64:193], index[:129]
+    meta = torch.zeros(4096, dtype=torch.int64, device="cuda")
+    src, dst = meta[64:193], torch.zeros(4097, dtype=torch.int64, device="cuda")[:129]
     launches["stage: copy_ (memcpy)"] = lambda: dst.copy_(src)
     launches["stage: mul(out=)"] = lambda: torch.mul(src, 1, out=dst)
     launches["stage: add(out=)"] = lambda: torch.add(src, 0, out=dst)

@@ -18,3 +18,48 @@ def test_split_plan_splits_only_few_programs_over_many_keys():
 @needs_triton
 def test_model_steps_with_split_attention_match_the_reference_model():
     check_interpreted("attention_kernel_cases", "check_model_steps_split")
+
+
+@needs_triton
+def test_capture_builds_every_split_variant_that_served_steps_launch(monkeypatch, fresh_dynamo, one_thread):
+    """A Triton build made by a served step is a stall of about 1 s inside it, so capture
+    must already have launched every kernel variant (a KeptKernel key) that served
+    steps with long contexts launch, split ones included. The kernels are not run here
+    (only their keys are recorded; CPU tensors), so the model's outputs and KV are not
+    looked at; the split thresholds are lowered so that this small model's contexts
+    split."""
+    import torch
+
+    from conftest import small_config
+    from replay_backend import ReplayBackend, RequestChunk, StepRunner, build_model
+    from replay_backend.models import attention_ops, attention_triton as at, cache_triton
+
+    monkeypatch.setattr(cache_triton, "write", lambda *args: None)  # a Triton kernel too; the KV is not looked at
+    monkeypatch.setattr(at, "MIN_SPLIT_KEYS", 128)
+    monkeypatch.setattr(at, "MIN_CHUNK", 64)
+    launched: dict[str, set] = {"attention": set(), "merge": set()}
+    for name, attr in (("attention", "_KERNEL"), ("merge", "_MERGE")):
+        monkeypatch.setattr(at, attr, lambda key, *rest, _seen=launched[name]: _seen.add(key))
+    # Five layers: 1 and 2 read the ratio-2 cache, 3 (a main layer) and 4 (replay) the ratio-1 one.
+    cfg = small_config().with_layers(5, (1, 3)).replace(attention_impl="triton", moe_impl="dense")
+    runner = StepRunner(build_model(cfg, "cpu", torch.float32), max_model_len=320, max_num_seqs=2,
+                        backend=ReplayBackend(compiler="eager", max_num_seqs=2, max_cudagraph_capture_size=64))
+    assert attention_ops.split_warmup_seq_len(cfg, 320, "cpu") == 256  # 128 entries of the ratio-2 cache
+    runner.capture()
+    built = {k: set(v) for k, v in launched.items()}
+    for v in launched.values():
+        v.clear()
+    runner.prefill({"long": 300})  # a trimming prefill over a long context
+    runner.step([RequestChunk("long", 1, 301)])  # a decode after it
+    runner.step([RequestChunk("chunk", 40, 300)])  # a chunk late in its prompt (context not cached)
+    # The kernel's constexprs end its key: ..., FLOORED, RATIO, HAS_GLOB, SPLIT, D, BLOCK_M, BLOCK_N, PRECISION.
+    split = {(k[-8], k[-7]) for k in launched["attention"] if k[-5]}
+    assert split == {(False, 2), (False, 1), (True, 1)}, split  # (floored, ratio): every case served steps split
+    assert launched["merge"]
+    for name in launched:
+        missing = launched[name] - built[name]
+        assert not missing, f"{name}: served steps launched variants capture never did: {missing}"
+    # No warm-up step where no step can split: the split off, or contexts too short for it.
+    assert attention_ops.split_warmup_seq_len(cfg.replace(attention_split=False), 256, "cpu") == 0
+    assert attention_ops.split_warmup_seq_len(cfg, 200, "cpu") == 200  # the ratio-1 cache alone can split
+    assert attention_ops.split_warmup_seq_len(cfg, 120, "cpu") == 0  # neither cache reaches 128 entries

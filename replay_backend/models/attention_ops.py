@@ -96,14 +96,34 @@ def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w:
     glob.index_copy_(0, view.comp_slot_mapping, rms_norm(pooled, norm_w, eps).to(glob.dtype))
 
 
-def _use_triton(impl: str, q: torch.Tensor) -> bool:
+def _use_triton(impl: str, device: torch.device) -> bool:
     if impl == "reference":
         return False
     if impl == "triton":
         if not attention_triton.available():
             raise RuntimeError("attention_impl='triton' but triton is not importable")
         return True
-    return q.is_cuda and attention_triton.available()
+    return device.type == "cuda" and attention_triton.available()
+
+
+def split_warmup_seq_len(cfg, max_model_len: int, device) -> int:
+    """The sequence length of a one-block warm-up request whose attention takes every
+    split variant of the kernel that a served step can take (0: none can: no Triton
+    kernel, the split off, or no context reaches MIN_SPLIT_KEYS global entries).
+
+    A variant is a Triton build, about 1 s, made by the first call that needs it. Only
+    steps whose rows read many global keys split, and no capture step does, so without
+    this warm-up the first long prompt served would build them inside its step. The
+    variants differ by the floor (main or replay layer) and the ratio of the cache read,
+    so the request is long enough for the largest ratio's cache to split too, where
+    ``max_model_len`` allows."""
+    if not cfg.attention_split or not _use_triton(cfg.attention_impl, torch.device(device)):
+        return 0
+    ratios = {cfg.compress_ratio(src) for src in map(cfg.global_source, range(cfg.num_layers)) if src is not None}
+    if not ratios:
+        return 0
+    seq_len = min(max_model_len, attention_triton.MIN_SPLIT_KEYS * max(ratios))
+    return seq_len if seq_len // min(ratios) >= attention_triton.MIN_SPLIT_KEYS else 0
 
 
 def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
@@ -117,7 +137,7 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     if compress is not None and view.comp_slot_mapping is None:
         raise RuntimeError(f"layer {layer} is a KV source and cannot run on a replay batch")
     swa = caches.swa[layer]
-    use_triton = _use_triton(cfg.attention_impl, q)
+    use_triton = _use_triton(cfg.attention_impl, q.device)
     if use_triton:
         if compress is not None:
             kv_c, gate, norm_w = compress
