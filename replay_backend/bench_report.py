@@ -12,6 +12,26 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else spec.format(value)
 
 
+# A point's first run costs 1.0-1.6x its median where nothing is built in it (runs 36
+# and 38: the allocator and caches warming); a Triton build inside a step costs about a
+# second (run 36: 1,052.9 ms against 33.3 ms). Both bounds, so that short points' noise
+# is not flagged.
+FIRST_RUN_FACTOR = 3.0
+FIRST_RUN_MIN_EXTRA_MS = 100.0
+
+
+def slow_first_runs(report: dict) -> list[tuple[str, str, float, float]]:
+    """``(setting/mode, point, first ms, median ms)`` for every point whose first run took
+    over FIRST_RUN_FACTOR times its median and FIRST_RUN_MIN_EXTRA_MS more."""
+    out = []
+    for r in report["results"]:
+        for point, first in (r.get("first_ms") or {}).items():
+            median = r["ms"].get(point)
+            if median and first > FIRST_RUN_FACTOR * median and first - median > FIRST_RUN_MIN_EXTRA_MS:
+                out.append((f"{r['setting']}/{r['mode']}", point, first, median))
+    return out
+
+
 def render(report: dict) -> str:
     opts = " ".join(report.get("model_options") or [])
     lines = [f"# {report['preset']}{' (' + opts + ')' if opts else ''} {report['dtype']} on {report['device']} (torch {report['torch']}), "
@@ -76,6 +96,11 @@ def render(report: dict) -> str:
                      + ("; DRIFT: beyond the rounding noise" if r.get("drifted") else "")
                      + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
+    slow = slow_first_runs(report)
+    if slow:
+        lines.append(f"\nFIRST RUNS over {FIRST_RUN_FACTOR:g}x their point's median (one-time work inside served "
+                     "steps, such as a Triton build: docs/debugging.md, A slow first step after capture):")
+        lines += [f"- {who} {point}: {first:.1f} ms, median {median:.1f} ms" for who, point, first, median in slow]
     if report.get("trim_host_us_median") is not None:
         lines.append("\ntrim op host time per trimming step of the timed runs (the op without the region "
                      f"it runs): median {report['trim_host_us_median']:.0f} us (wall time: it holds any "

@@ -125,6 +125,8 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     for m in modes:
         for w in range(args.warmup):
             last_warm[id(m)] = m.ttft(isl, conc, f"w{w}")
+            if w == 0:  # the first run of the point: what a one-time cost inside it shows in
+                m.run.first_ms[point] = last_warm[id(m)]
     if last_warm:  # a run cut short inside a long point still says how long a run takes
         print(f"{point} warm-up: " + ", ".join(f"{m.run.mode}/{m.run.setting} {last_warm[id(m)]:.1f} ms"
                                                for m in modes), flush=True)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replay_backend import bench, bench_timing
+from replay_backend import bench, bench_report, bench_timing
 from replay_backend.backend import ReplayBackend
 from replay_backend.compare import max_abs_err
 from replay_backend.counters import counters
@@ -105,6 +105,26 @@ def test_render_has_the_table_shape_and_ratios():
     assert "- default/replay: 1024/1: 80 us" in text
 
 
+def test_render_flags_first_runs_far_above_their_median():
+    """A build inside a served step shows as a point's first run far above its median
+    (run 36: 1,052.9 ms against 33.3 ms); a first run warming caches does not."""
+    report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
+              "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384, "floor_ms": {},
+              "results": [
+                  {"mode": "replay", "setting": "default", "compile_s": 2.0, "capture": {}, "error": None,
+                   "ms": {"1024/1": 15.1, "4096/1": 33.3, "8192/1": 59.0},
+                   "first_ms": {"1024/1": 15.5, "4096/1": 1052.9, "8192/1": 59.0}},
+                  {"mode": "parent", "setting": "default", "compile_s": 2.0, "capture": {}, "error": None,
+                   "ms": {"1024/1": 20.0, "4096/1": 53.3}, "first_ms": {"1024/1": 90.0, "4096/1": 83.1}}]}
+    # parent 1024/1: 4.5x but 70 ms over its median, under the 100 ms floor of a build
+    assert bench_report.slow_first_runs(report) == [("default/replay", "4096/1", 1052.9, 33.3)]
+    text = bench.render(report)
+    assert "FIRST RUNS over 3x their point's median" in text
+    assert "- default/replay 4096/1: 1052.9 ms, median 33.3 ms" in text
+    del report["results"][0]["first_ms"]["4096/1"]
+    assert "FIRST RUNS" not in bench.render(report)
+
+
 def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     """The whole bench on CPU with a small model: every mode measured at every point
     with the plain model's answer, run k of every mode before run k + 1 of any, the trim
@@ -137,6 +157,7 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     # and to 64 in the wide setting (trims); every other point trims in both
     assert set(runs[("replay", "default")]["trim_host_us"]) == {"40/2", "100/1", "100/2"}
     assert set(runs[("replay", "wide")]["trim_host_us"]) == {"40/1", "40/2", "100/1", "100/2"}
+    assert all(set(r["first_ms"]) == set(r["ms"]) for r in runs.values())  # each point's first run
     assert report["trim_host_us_median"] > 0
     assert report["check_tokens"] == 40  # the shortest ISL
     for when in ("start", "end"):  # host speed around the timed points; no CUDA here
