@@ -256,15 +256,16 @@ class StepRunner:
                                                   lambda n: self.dummy_batch(n).replay.view)
 
     def capture(self) -> dict:
-        """Warm up, capture main graphs then replay graphs (largest first), start serving.
+        """Warm up (a compile step, then a long-context step where the attention can
+        split), capture main graphs then replay graphs (largest first), start serving.
 
         Returns the per-runner capture summary. Without CUDA the same sequence runs
         with emulated graphs."""
         compiled = self._compiled_for_capture()
+        self._build_split_attention()  # before capture, whose end starts the served-step counts
         with self._dummy_context(), torch.inference_mode():
             summary = compiled.capture(lambda n: self.run(self.dummy_batch(n)),
                                        lambda n: self.dummy_batch(n).replay.view)
-        self._build_split_attention()
         self.start_serving()
         return summary
 

@@ -46,6 +46,7 @@ def test_capture_builds_every_split_variant_that_served_steps_launch(monkeypatch
                         backend=ReplayBackend(compiler="eager", max_num_seqs=2, max_cudagraph_capture_size=64))
     assert attention_ops.split_warmup_seq_len(cfg, 320, "cpu") == 256  # 128 entries of the ratio-2 cache
     runner.capture()
+    assert not any(runner.backend.model.dispatch.values())  # that step is not a served one
     built = {k: set(v) for k, v in launched.items()}
     for v in launched.values():
         v.clear()
