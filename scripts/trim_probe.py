@@ -9,8 +9,9 @@ The main sizes captured are ``--sizes`` (512 and 1024 unless told): ``--isl 1024
 the graphed path (the gathers and scatter as graphs, trim_io.py), ``--isl 2048`` the
 path of steps whose main layers run without graphs (one row-moves launch each way,
 row_moves.py; their host times are printed too); ``--isl 4096 --sizes 512,1024,4096``
-the graphed path at 4,096 tokens. ``--layers N`` keeps the first N layers with KV sources 1 and 3 (fast to
-compile; the trim op's host work does not depend on the layer count).
+the graphed path at 4,096 tokens. ``--layers N`` keeps the first N layers with KV
+sources 1 and 3 (fast to compile; the trim op's host work does not depend on the layer
+count).
 
 On the GPU it then looks at where the op waits for the device inside real steps
 (``trim_launches.py``; docs/benchmarks.md, trim op host time).
