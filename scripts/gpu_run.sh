@@ -3,6 +3,7 @@
 # usage: bash scripts/gpu_run.sh OUTDIR [bench args...]
 # env: SKIP_TESTS=1, TEST_TIMEOUT=s, ACCURACY_PROBE="accuracy_probe.py args", PROBE_TIMEOUT=s,
 #      TRIM_PROBES=1 (row_moves_probe.py, graph_launch_probe.py, then trim_probe.py on both trim paths),
+#      FIRST_STEPS="first_steps_probe.py args" (Triton builds inside the first served steps),
 #      BENCH_TIMEOUT=s, WARM_COMPILE=1 (a second, warm compile-only run)
 set -uo pipefail
 out="${1:?outdir}"; shift
@@ -17,6 +18,11 @@ if [ -n "${ACCURACY_PROBE:-}" ]; then  # e.g. ACCURACY_PROBE="--layers 4,21,40 -
     # shellcheck disable=SC2086  # the variable holds several arguments
     timeout "${PROBE_TIMEOUT:-300}" python3 scripts/accuracy_probe.py $ACCURACY_PROBE 2>&1 \
         | tee "$out/accuracy_probe.log" | grep -v '^ *$' | tail -12
+fi
+if [ -n "${FIRST_STEPS:-}" ]; then  # e.g. FIRST_STEPS="--shapes 1024/1,4096/1,8192/1"
+    # shellcheck disable=SC2086  # the variable holds several arguments
+    timeout "${PROBE_TIMEOUT:-300}" python3 scripts/first_steps_probe.py $FIRST_STEPS 2>&1 \
+        | tr '\r' '\n' | grep -v -e "graphs: " -e '^ *$' | tee "$out/first_steps.log" | tail -20
 fi
 if [ "${TRIM_PROBES:-0}" = 1 ]; then
     timeout 120 python3 scripts/row_moves_probe.py 2>&1 | tee "$out/row_moves_probe.log" | tail -4
