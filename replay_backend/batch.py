@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import CacheLayout
+from .step_metadata import MetadataBuffer, aligned_fields, to_device
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,15 @@ class StepBatch:
     logits_indices: torch.Tensor  # [R]: each request's last row
     view: AttnView
     replay: ReplayBatch
+    # Set when the device fields live in a runner's MetadataBuffer: valid while the
+    # buffer is still at this generation (step_metadata.py).
+    metadata: MetadataBuffer | None = field(default=None, compare=False, repr=False)
+    generation: int = 0
+
+    def check_current(self) -> None:
+        """Raise if a later build overwrote this batch's device metadata."""
+        if self.metadata is not None:
+            self.metadata.check(self.generation)
 
     @property
     def num_tokens(self) -> int:
@@ -95,18 +105,6 @@ class StepBatch:
     def has_trimmable_rows(self) -> bool:
         """True when some request keeps fewer rows than it has (a prefill longer than W)."""
         return self.replay.num_rows < self.num_tokens
-
-
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` (a host tensor) on ``device`` without holding the host back. A copy from
-    pageable memory synchronises the stream first, so it would wait for every kernel
-    queued before it (the previous step, or the layers before a replay region): go
-    through pinned memory, whose block the caching host allocator keeps until the copy
-    has run."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def kept_len(req: RequestChunk, window: int) -> int:
@@ -167,14 +165,18 @@ def validate_requests(requests, layout: CacheLayout, window: int,
 
 def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout,
                      window: int, device, max_num_batched_tokens: int | None = None,
-                     inputs_in_metadata: bool = False) -> StepBatch:
+                     inputs_in_metadata: bool = False, metadata: MetadataBuffer | None = None
+                     ) -> StepBatch:
     """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens (a
     list of ints or a 1-D tensor) and ``blocks[i]`` its cache block.
 
     ``inputs_in_metadata``: the token ids and positions travel in the metadata's one
     copy too, as views of it, instead of in two copies of their own. Only for a model
     that is not called through Dynamo (a served step's direct entry, runtime/direct.py):
-    Dynamo would trace the views' storage offsets as symbols of a new graph."""
+    Dynamo would trace the views' storage offsets as symbols of a new graph.
+
+    ``metadata``: the copy goes into this fixed buffer (a serving runner's) instead of
+    fresh device memory, and the batch is valid until the buffer's next use."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -211,18 +213,22 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     blocks = [attn_row_blocks(q, seq_lens, floors, base, window) for q in (qsl, kqsl)]
     # One copy to the device for the metadata, every field a view of it, and for the
     # inputs too where the caller allows (each copy is host time before the first kernel).
-    parts = [slots, comp, last, rows_cpu, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *blocks]
+    # The count and rows come first: in a metadata buffer they sit at its head, where the
+    # trim op's gather graph reads them (step_metadata.py).
+    parts = [rows_cpu, slots, comp, last, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *blocks]
     if inputs_in_metadata:
-        ids, pos, slots, comp, last, count_rows, rslots, rpos, blk, rblk = aligned_fields([ids, pos, *parts], device)
+        count_rows, ids, pos, slots, comp, last, rslots, rpos, blk, rblk = aligned_fields(
+            [parts[0], ids, pos, *parts[1:]], device, metadata)
     else:
-        slots, comp, last, count_rows, rslots, rpos, blk, rblk = aligned_fields(parts, device)
+        count_rows, slots, comp, last, rslots, rpos, blk, rblk = aligned_fields(parts, device, metadata)
         ids, pos = to_device(ids, device), to_device(pos, device)
     view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
     for v, b in ((view, blk), (replay_view, rblk)):
         v.derived[ATTN_BLOCKS] = b.view(-1, ATTN_BLOCK_FIELDS)
     replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
-    return StepBatch(requests, window, ids, pos, last, view, replay)
+    return StepBatch(requests, window, ids, pos, last, view, replay, metadata,
+                     metadata.generation if metadata is not None else 0)
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:
@@ -233,27 +239,6 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
     # The tensor holds a reference to the array, which owns the memory.
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
-
-
-def aligned_fields(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """``parts`` (1-D int64 host tensors) on ``device`` in one copy, as views that each
-    start 16-byte aligned (an even element offset; a part of odd length is followed by
-    one pad element). Triton specialises a pointer argument on 16-byte alignment: a
-    field whose offset moved with the step's sizes would build new variants of the
-    kernels that read it on the first step where it fell odd, inside that step (four
-    attention variants, about 4 s; docs/benchmarks.md)."""
-    chunks, starts, end = [], [], 0
-    pad = parts[0].new_zeros(1)
-    for x in parts:
-        n = x.shape[0]  # not len(): Tensor.__len__ is Python, and this runs per step
-        chunks.append(x)
-        starts.append(end)
-        end += n
-        if n % 2:
-            chunks.append(pad)
-            end += 1
-    flat = to_device(torch.cat(chunks), device)
-    return [flat[a:a + x.shape[0]] for a, x in zip(starts, parts)]
 
 
 # The attention kernel's per-view row blocks (models/attention_triton.py): built with

@@ -53,6 +53,7 @@ class ReplayConfig:
     decoder_replay_cudagraph_capture_sizes: tuple[int, ...] | None = None
     trim_io_graphs: bool = True  # the trim op's gathers and scatter as graphs in graphed steps
     direct_dispatch: bool = True  # served steps call the compiled model without Dynamo's entry
+    metadata_in_place: bool = True  # served steps' metadata at one address, read there by trim graphs
     splitting_ops: tuple[str, ...] = ATTENTION_OPS
     compiler: str = "inductor"
     max_num_seqs: int = 256
@@ -95,7 +96,7 @@ class ReplayConfig:
                 bad(key, f"must be an integer >= {lo}, got {val!r}")
 
         for key in ("cudagraph_decoder_replay", "decoder_replay", "trim_io_graphs", "direct_dispatch",
-                    "strict", "debug_check_addresses"):
+                    "metadata_in_place", "strict", "debug_check_addresses"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, f"must be true or false, got {getattr(self, key)!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:

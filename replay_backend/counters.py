@@ -24,6 +24,9 @@ class Counters:
     trims: int = 0  # steps whose trim op ran the replay region on the replay rows
     untrimmed: int = 0  # steps whose trim op ran the region on the whole batch
     replay_dispatch: Counter = field(default_factory=Counter)  # by padded size ("eager" above)
+    # Graphed trimming steps whose replay rows were copied to the gather graphs' index:
+    # their batch was not built in its runner's metadata buffer (runtime/trim_io.py).
+    trim_index_copies: int = 0
     fallbacks: Counter = field(default_factory=Counter)  # by reason
 
     def reset(self) -> None:

@@ -24,6 +24,7 @@ from .kv_cache import CacheLayout, KVCaches
 from .models import attention_ops, attention_triton
 from .models.dsv41_mini import DSv41Mini
 from .runtime import direct
+from .step_metadata import MetadataBuffer, metadata_capacity
 
 log = logging.getLogger("replay_backend")
 
@@ -103,6 +104,15 @@ class StepRunner:
         self._learned: direct.DirectEntry | str | None = None
         self._direct: direct.DirectEntry | None = None
         self._fixed: set[int] | None = None
+        # Served steps' metadata goes to one fixed address (step_metadata.py), which the
+        # trim op's gather graphs read in place; warm-up batches get fresh memory. Its
+        # head holds the count and rows of any replay size (<= the backend's token limit).
+        self.metadata = None
+        if backend is not None and backend.config.metadata_in_place:
+            capacity = max(metadata_capacity(max_num_batched_tokens, max_num_seqs),
+                           backend.config.max_num_batched_tokens + 1)
+            self.metadata = MetadataBuffer(capacity, self.device)
+        self._serving = False
 
     # ---- cache blocks --------------------------------------------------------------
     def block_of(self, req_id) -> int:
@@ -125,11 +135,13 @@ class StepRunner:
         tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
         blocks = [self.block_of(r.req_id) for r in requests]
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
-                                self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None)
+                                self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None,
+                                metadata=self.metadata if self._serving else None)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
             use_graphs: bool = True) -> StepOutput:
+        batch.check_current()
         ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay, use_graphs=use_graphs)
         fwd = forward if forward is not None else self.forward
         ids, pos = batch.input_ids, batch.positions
@@ -202,6 +214,7 @@ class StepRunner:
         compiled = be.model
         compiled.start_serving()
         be.freeze()
+        self._serving = True
         self._direct = None
         if not be.config.direct_dispatch:
             return
@@ -265,7 +278,7 @@ class StepRunner:
         self._build_split_attention()  # before capture, whose end starts the served-step counts
         with self._dummy_context(), torch.inference_mode():
             summary = compiled.capture(lambda n: self.run(self.dummy_batch(n)),
-                                       lambda n: self.dummy_batch(n).replay.view)
+                                       lambda n: self.dummy_batch(n).replay.view, self.metadata)
         self.start_serving()
         return summary
 

@@ -30,6 +30,7 @@ from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
 from replay_backend.bench_timing import host_probe
 from replay_backend.config import ReplayConfig
+from replay_backend.counters import counters
 from replay_backend.models import build_model, preset
 from replay_backend.runner import StepRunner
 from replay_backend.runtime import row_moves, trim_io
@@ -66,6 +67,8 @@ def main() -> None:
     runner = StepRunner(model, backend=be, max_num_seqs=2, max_model_len=args.isl + 256)
     runner.capture()
     rep = be.model.replay
+    if rep is None:
+        raise SystemExit(f"{cfg.num_layers} layers leave no replay layers to trim: keep more (--layers)")
 
     def prompts(tag: str, n: int, spin: int = 0, sync: bool = True) -> list[float]:
         """``n`` one-prompt prefills; the region's host time (us) in each. ``spin``: a
@@ -91,8 +94,10 @@ def main() -> None:
     for name in ("gather", "scatter"):  # the path without trim I/O graphs
         _timed(row_moves.RowMoves, name, phases)
     rep.host_us.clear()
+    copies = counters.trim_index_copies
     region_us = prompts("m", args.steps)
     op_us = list(rep.host_us)
+    copies = counters.trim_index_copies - copies  # 0: the gather graphs read the rows in place
     # The graphed path against the same step without graphs: a fast wrong op is no result.
     batch = runner.build_batch([RequestChunk("last", args.isl, args.isl)])
     last = runner.run(batch)
@@ -103,7 +108,8 @@ def main() -> None:
         raise SystemExit(f"--isl {args.isl} gives steps that do not trim ({last.trim}): use one at or above "
                          f"the trim threshold ({be.config.decoder_replay_trim_threshold})")
     print(f"step {last.step}, trim {last.trim}")
-    print(f"trim op host us (no region), median of {len(op_us)} steps: {statistics.median(op_us):.1f}")
+    print(f"trim op host us (no region), median of {len(op_us)} steps: {statistics.median(op_us):.1f}"
+          f" ({copies} of them copied their rows to the gather graphs' index)")
     for k, v in phases.items():
         print(f"  {k}: median {statistics.median(v):.1f} us over {len(v)}")
     print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")

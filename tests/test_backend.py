@@ -375,18 +375,73 @@ def test_stale_replay_rows_do_not_leak(shared):
     assert (stale != 0).any()
 
 
-def test_graphed_gathers_clamp_stale_padding_to_the_smaller_main_size(shared):
-    """The gather graph's index buffer keeps an earlier step's rows past the real ones.
-    After a 64-token step whose replay rows reach row 63, a 48-token step with fewer
-    rows at the same replay size has stale indices 55..63 there: clamped below 48, they
-    only fill padding, and the step matches the oracle."""
+def test_served_steps_give_the_gather_graphs_their_rows_in_place(shared):
+    """A served step's metadata is built at the head of the runner's metadata buffer,
+    where the gather graphs read the count and rows: nothing is copied for them. Past
+    the real rows the graph reads the step's next metadata field (slot numbers, here
+    beyond the 48-token main size): clamped, they only fill padding, and the step
+    matches the oracle."""
+    io, meta = shared.be.model.replay.io, shared.rc.metadata
+    assert io.index.data_ptr() == meta.data.data_ptr()
+    out = compare(shared, [R("z", 40, 40), R("d", 1, 20), R("e", 6, 6)], expect=dict(
+        trims=1, replay_dispatch={32: 1}))  # trim_index_copies stays put
+    assert (out.step.padded_tokens, out.trim.rows, out.trim.padded) == (48, 23, 32)
+    assert out.trim.io_graphs and out.batch.replay.count_rows.data_ptr() == io.index_ptr
+    assert io.index[1 + 23:1 + 32].max().item() >= 48  # out of range for the main size
+
+
+def test_a_batch_built_elsewhere_is_staged_and_invalidates_the_buffer(shared):
+    """A batch in fresh memory (the oracle runner's) run on the serving runner: its rows
+    are copied to the buffer's head over whatever an earlier step left there (a longer
+    step's rows 48..63, out of range for this 48-token step: clamped), it matches the
+    oracle, and the runner's own last batch, whose head that copy overwrote, is refused
+    instead of run on another step's rows."""
     io = shared.be.model.replay.io
+    reqs = [R("z", 40, 40), R("d", 1, 20), R("e", 6, 6)]
+    prefill_both(shared, reqs)  # steps of their own, before the longer step
     first = compare(shared, [R("x", 30, 30), R("y", 34, 34)])
     assert (first.step.padded_tokens, first.trim.rows, first.trim.padded) == (64, 32, 32)
-    assert first.trim.io_graphs and io.index[1 + 16:1 + 32].min().item() >= 48  # index[0]: the count
-    out = compare(shared, [R("z", 40, 40), R("d", 1, 20), R("e", 6, 6)])
-    assert (out.step.padded_tokens, out.trim.rows, out.trim.padded) == (48, 23, 32)
-    assert out.trim.io_graphs and io.index[1 + 23:1 + 32].min().item() >= 48  # stale, out of range
+    assert io.index[1 + 16:1 + 32].min().item() >= 48  # index[0]: the count
+    foreign = shared.ro.build_batch(reqs)
+    assert foreign.metadata is None
+    with counters.expect(trims=1, replay_dispatch={32: 1}, trim_index_copies=1):
+        got = shared.rc.run(foreign)
+    check_outputs(shared, got, shared.ro.run(foreign))
+    assert (got.step.padded_tokens, got.trim.rows, got.trim.padded) == (48, 23, 32)
+    assert got.trim.io_graphs and io.index[1 + 23:1 + 32].min().item() >= 48  # the earlier rows
+    own = shared.rc.build_batch(reqs)
+    shared.rc.run(foreign)
+    with pytest.raises(RuntimeError, match="stale StepBatch.*built elsewhere"):
+        shared.rc.run(own)
+
+
+def test_a_metadata_buffer_too_small_for_the_replay_rows_is_a_counted_fallback():
+    from replay_backend.runtime.graphs import StrictFallbackError
+    from replay_backend.runtime.trim_io import TrimIO
+    from replay_backend.step_metadata import MetadataBuffer
+
+    io = TrimIO(32, 64, torch.device("cpu"), GraphResources(use_cuda=False))
+    own = io.index_ptr
+    with counters.expect(fallbacks={"trim_index_in_place": 1}):
+        io.adopt(MetadataBuffer(32, "cpu"))  # 33 entries needed: the count and 32 rows
+    assert io.metadata is None and io.index_ptr == own
+    io.adopt(MetadataBuffer(33, "cpu"))
+    assert io.metadata is not None and io.index_ptr == io.metadata.data.data_ptr()
+    strict = TrimIO(32, 64, torch.device("cpu"), GraphResources(use_cuda=False, strict=True))
+    with pytest.raises(StrictFallbackError, match="trim_index_in_place.*cannot hold 33"):
+        strict.adopt(MetadataBuffer(8, "cpu"))
+
+
+def test_a_batch_overwritten_by_a_later_build_is_refused(shared):
+    reqs_a, reqs_b = [R("a", 30, 30)], [R("b", 8, 8)]
+    a = shared.rc.build_batch(reqs_a)
+    b = shared.rc.build_batch(reqs_b)
+    assert a.replay.count_rows.data_ptr() == b.replay.count_rows.data_ptr()
+    with counters.expect(), pytest.raises(RuntimeError, match="stale StepBatch.*later build_batch"):
+        shared.rc.run(a)
+    got = shared.rc.run(b)
+    shared.ro.build_batch(reqs_a)  # the same cache blocks as in the compiled runner
+    check_outputs(shared, got, shared.ro.step(reqs_b))
 
 
 def test_trim_gathers_and_scatter_run_as_graphs(shared):
@@ -552,6 +607,24 @@ def test_trim_io_graphs_switched_off(model):
                              (lambda: [R("p", 40, 40), R("q", 16, 16)], 32, 32)]:
         out = compare(env, make(), expect=dict(trims=1, replay_dispatch={rpad: 1}))
         assert (out.trim.rows, out.trim.padded, out.trim.graph, out.trim.io_graphs) == (rows, rpad, True, False)
+
+
+def test_metadata_in_place_switched_off(model):
+    """metadata_in_place=false: served batches are in fresh memory (two can be built
+    before either runs), and every graphed trimming step copies its count and rows to
+    the gather graphs' own index, with the same results."""
+    env = build_env(model, metadata_in_place=False)
+    io = env.be.model.replay.io
+    assert env.rc.metadata is None and io.metadata is None
+    first, second = [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], [R("p", 40, 40), R("q", 16, 16)]
+    prefill_both(env, first + second)
+    a, b = env.rc.build_batch(first), env.rc.build_batch(second)
+    for batch, reqs, rows in [(a, first, 27), (b, second, 32)]:
+        with counters.expect(trims=1, replay_dispatch={32: 1}, trim_index_copies=1):
+            out = env.rc.run(batch)
+        check_outputs(env, out, env.ro.step(reqs))
+        assert (out.trim.rows, out.trim.padded, out.trim.io_graphs) == (rows, 32, True)
+        assert torch.equal(io.index[:rows + 1], batch.replay.count_rows)
 
 
 def test_cudagraph_mode_none(model):

@@ -398,3 +398,54 @@ def test_attention_row_blocks_tile_each_request_by_position(qlens, seq_lens, flo
         assert swa0 == min(lo, last + 1) and swa0_floor == min(max(lo, floor), last + 1)
         covered.extend(rows)
     assert covered == list(range(qsl[-1]))
+
+
+# --------------------------------------------------------------------------------------
+# A serving runner's metadata buffer (step_metadata.py)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qlens, window", [
+    ([65] * 4, 512),  # every request one row past a 64-row block: the most blocks per token
+    ([1] * 4, 4),  # decodes only
+    ([3, 511, 1, 1], 8),  # odd lengths: a pad after every field
+    ([509], 4096),  # one request of every token, each row a replay row
+])
+def test_metadata_capacity_bounds_every_step_of_its_sizes(qlens, window):
+    """A step at the buffer's limits (``sum(qlens)`` tokens, ``len(qlens)`` requests),
+    ids and positions included, fits in ``metadata_capacity`` exactly placed, with the
+    count and rows at the head and every field equal to the same step in fresh memory."""
+    from replay_backend.step_metadata import MetadataBuffer, metadata_capacity
+
+    layout = CacheLayout(max_model_len=4096, num_blocks=len(qlens))
+    reqs = [R(f"r{i}", q, q + 3 * i) for i, q in enumerate(qlens)]
+    buf = MetadataBuffer(metadata_capacity(sum(qlens), len(qlens)), "cpu")
+    got = _build(reqs, layout, window, inputs_in_metadata=True, metadata=buf)
+    want = _build(reqs, layout, window)
+    assert got.replay.count_rows.data_ptr() == buf.data.data_ptr()
+    assert got.input_ids.untyped_storage().data_ptr() == buf.data.untyped_storage().data_ptr()
+    for a, b in [(got.input_ids, want.input_ids), (got.positions, want.positions),
+                 (got.logits_indices, want.logits_indices), (got.view.slot_mapping, want.view.slot_mapping),
+                 (got.view.comp_slot_mapping, want.view.comp_slot_mapping),
+                 (got.replay.count_rows, want.replay.count_rows), (got.replay.positions, want.replay.positions),
+                 (got.replay.view.slot_mapping, want.replay.view.slot_mapping)]:
+        assert torch.equal(a, b)
+    assert buf.generation == got.generation == 1 and want.metadata is None
+
+
+def test_metadata_buffer_refuses_what_it_cannot_hold_and_stale_batches():
+    from replay_backend.step_metadata import MetadataBuffer
+
+    layout = CacheLayout(max_model_len=1024, num_blocks=2)
+    small = MetadataBuffer(16, "cpu")
+    with pytest.raises(ValueError, match=r"step metadata of \d+ elements exceeds the runner's metadata buffer \(16\)"):
+        _build([R("a", 20, 20)], layout, 8, metadata=small)
+    assert small.generation == 0 and not small.data.any()  # nothing written
+    buf = MetadataBuffer(1024, "cpu")
+    a = _build([R("a", 20, 20)], layout, 8, metadata=buf)
+    a.check_current()
+    b = _build([R("b", 5, 5)], layout, 8, metadata=buf)
+    b.check_current()
+    with pytest.raises(RuntimeError, match="stale StepBatch"):
+        a.check_current()
+    buf.overwritten()
+    with pytest.raises(RuntimeError, match="stale StepBatch"):
+        b.check_current()

@@ -57,6 +57,7 @@ def check_compositions(model, compiler: str, tol: float) -> None:
     oracle = StepRunner(model, max_model_len=512)
     runner.capture()
     kinds = set()
+    copies = counters.trim_index_copies
     for i, reqs in enumerate(COMPOSITIONS):
         reqs = [RequestChunk(f"{r.req_id}{i}", r.query_len, r.seq_len, keep_all=r.keep_all) for r in reqs]
         for r in (runner, oracle):
@@ -72,6 +73,7 @@ def check_compositions(model, compiler: str, tol: float) -> None:
     # scatter in graphs too), graphed steps that do not trim, and eager steps that trim
     assert {("piecewise", True, True, True), ("piecewise", False, True, False),
             ("eager", True, True, False)} <= kinds, kinds
+    assert counters.trim_index_copies == copies  # the gather graphs read served rows in place
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
@@ -246,8 +248,9 @@ def test_mm_fp32_is_the_upcast_product():
 
 def test_step_metadata_copies_do_not_wait_for_the_device():
     """Building a step while the previous one runs must not block on it: every host to
-    device copy of metadata is asynchronous (pinned)."""
-    from replay_backend.batch import to_device
+    device copy of metadata is asynchronous (pinned), into fresh memory or into a
+    serving runner's metadata buffer."""
+    from replay_backend.step_metadata import MetadataBuffer, to_device
 
     runner = StepRunner(build_model(CFG, "cuda", torch.bfloat16), max_model_len=512)
     a = torch.randn(8192, 8192, device="cuda")
@@ -258,6 +261,7 @@ def test_step_metadata_copies_do_not_wait_for_the_device():
     pending.record()
     runner.build_batch(COMPOSITIONS[0])
     to_device(torch.arange(100), "cuda")
+    MetadataBuffer(1000, "cuda").place(torch.arange(100))
     assert not pending.query(), "a metadata copy waited for the queued work"
     torch.cuda.synchronize()
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from .. import torch_compat
-from ..batch import ATTN_BLOCKS, attn_row_blocks, to_device
+from ..batch import ATTN_BLOCKS, attn_row_blocks
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
+from ..step_metadata import to_device
 from . import attention_triton, cache_triton
 
 # The view's longest sequence, kept in ``AttnView.derived``: it bounds the global keys

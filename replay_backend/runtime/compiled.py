@@ -127,15 +127,19 @@ class CompiledReplayModel:
 
         return estimate_graph_memory(self, run_step_without_graphs, replay_view_for)
 
-    def capture(self, run_main_step, replay_view_for) -> dict:
+    def capture(self, run_main_step, replay_view_for, metadata=None) -> dict:
         """Capture every main size, then every replay size, largest first (SPEC §7).
 
         ``run_main_step(n)`` runs one dummy step of ``n`` tokens through the compiled
         model (the runner knows how to build one); ``replay_view_for(n)`` builds a dummy
-        replay batch view of ``n`` rows. Returns a per-runner summary.
+        replay batch view of ``n`` rows. ``metadata``: the MetadataBuffer served steps'
+        batches will be built in, whose head the trim op's gather graphs read in place.
+        Returns a per-runner summary.
         """
         if self.serving:
             raise RuntimeError("graphs cannot be captured once serving started")
+        if metadata is not None and self.replay is not None:
+            self.replay.use_metadata_buffer(metadata)
         summary = {}
         # Non-owning graph outputs need the capture order below (main, then replay) for
         # every graph in the pool: not when graphs were already captured lazily.

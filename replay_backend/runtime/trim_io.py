@@ -5,26 +5,30 @@ op moves has a fixed address: its row tensors and outputs are outputs of main pi
 captured at S (owned: they are alive across the trim op, see ``graphs.py``), and the
 region's inputs and outputs are its static buffers and its graphs' outputs at R. So
 the gathers into the region and the scatter back are graphs per (S, R), and what is
-left on the host per step is one device copy of the index data and two replays
-(instead of a launch per row tensor and per output).
+left on the host per step is two replays (instead of a launch per row tensor and per
+output).
 
-The per-step index data is one small device buffer: at 0 the number of real replay
-rows n, then ``[1, R + 1)`` the rows to gather. Per step the host queues one
-device-to-device copy of the step's count and replay rows (``ReplayBatch.count_rows``,
-on the device with the step's metadata already) into ``[0, n + 1)``: no host-to-device
-copy, no staging buffer. Entries past n keep whatever an earlier step left there, so
-the gather graph clamps every index below the main size S first: a padded replay row
-then copies some real row, and only fills padding. The gather graph derives the
-scatter's index and mask from the count on the device (for each main row its replay
-row plus one, or 0 for a trimmed row: a scatter-add of ``1..n`` at the gathered rows,
-pads adding 0). Neither graph allocates: every op writes into a buffer that exists
-already, so these graphs take nothing from the shared pool that a replay graph could
-reuse.
+The per-step index data is one device buffer: at 0 the number of real replay rows n,
+then ``[1, R + 1)`` the rows to gather. A serving runner builds every step's metadata
+into one fixed buffer with the count and rows at its head (``step_metadata.py``), and
+the graphs are captured on that head: a served step's index data is in place, with no
+copy at all. A batch built elsewhere (fresh memory) is staged instead: one
+device-to-device copy of its ``ReplayBatch.count_rows`` into ``[0, n + 1)``. Entries
+past n hold whatever follows there (the step's other metadata fields, or what an
+earlier step left), so the gather graph clamps every index below the main size S
+first: a padded replay row then copies some real row, and only fills padding. The
+gather graph derives the scatter's index and mask from the count on the device (for
+each main row its replay row plus one, or 0 for a trimmed row: a scatter-add of
+``1..n`` at the gathered rows, pads adding 0). Neither graph allocates: every op
+writes into a buffer that exists already, so these graphs take nothing from the shared
+pool that a replay graph could reuse.
 """
 from __future__ import annotations
 
 import torch
 
+from ..counters import counters
+from ..step_metadata import MetadataBuffer
 from .graphs import GraphResources, StaticGraph
 
 
@@ -60,6 +64,8 @@ class TrimIO:
         self.rmax, self.smax, self.res = max_rows, max_tokens, res
         self.index = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)  # count, rows
         self.count = self.index[:1]
+        self.index_ptr = self.index.data_ptr()  # a batch whose count_rows starts here is in place
+        self.metadata: MetadataBuffer | None = None  # whose head ``index`` is (adopt)
         self.gidx = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.ranks = torch.arange(1, max_rows + 1, dtype=torch.int64, device=device)  # replay row + 1
         self.vals = torch.zeros(max_rows, dtype=torch.int64, device=device)
@@ -70,6 +76,23 @@ class TrimIO:
         self.main_io: dict[int, tuple[list, list]] = {}  # S -> (rows, outs) while main graphs capture
         self.graphs: dict[tuple[int, int], tuple[StaticGraph, StaticGraph]] = {}
         self._tail_cache: dict[tuple[int, int], tuple[tuple, tuple]] = {}
+
+    def adopt(self, metadata: MetadataBuffer) -> None:
+        """Capture the graphs on the head of ``metadata`` (a serving runner's buffer)
+        instead of this object's own index buffer."""
+        if self.graphs:
+            raise RuntimeError("trim gather graphs were captured already: their index cannot move")
+        data = metadata.data
+        if data.device != self.index.device or data.shape[0] < self.rmax + 1:
+            self.res.fallback("trim_index_in_place", f"the metadata buffer ({data.shape[0]} entries on "
+                              f"{data.device}) cannot hold {self.rmax + 1} on {self.index.device}: "
+                              "every graphed trimming step copies its rows")
+            return
+        self.metadata = metadata
+        self.index = data[:self.rmax + 1]
+        self.count = self.index[:1]
+        self.index_ptr = self.index.data_ptr()
+        self._tail_cache.clear()
 
     def remember(self, size: int, rows: list, outs: list) -> None:
         """The trim op's tensors in the main capture step at ``size`` (owned, fixed)."""
@@ -109,14 +132,20 @@ class TrimIO:
         return n
 
     def stage(self, count_rows: torch.Tensor) -> None:
-        """Write one step's index data, ``ReplayBatch.count_rows`` (a device tensor: the
-        count, then the rows): one device copy, queued in stream order, so the host never
-        waits for the step the GPU is running and the graphs read it in that order."""
+        """Write the index data of a step not built in place, ``ReplayBatch.count_rows``
+        (a device tensor: the count, then the rows): one device copy, queued in stream
+        order, so the host never waits for the step the GPU is running and the graphs
+        read it in that order."""
+        counters.trim_index_copies += 1
+        if self.metadata is not None:
+            # The copy lands on the head of the batch its runner built last: refuse to
+            # run that one on these rows, loudly (MetadataBuffer.check).
+            self.metadata.overwritten()
         self.index[:count_rows.shape[0]].copy_(count_rows)
 
     def run(self, size: int, rows_size: int, rows, bufs, region, outs) -> None:
         """Gather (graph), ``region()`` runs the region and returns its outputs, scatter
-        (graph). The step's index data must be staged."""
+        (graph). The step's index data must be in place or staged."""
         gather, scatter = self.graphs[(size, rows_size)]
         gtail, stail = self._tails(size, rows_size)
         gather.replay((*rows, *bufs, *gtail))

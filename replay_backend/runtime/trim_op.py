@@ -80,6 +80,7 @@ class ReplayRuntime:
         self.buffers: list[torch.Tensor] | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
+        self.metadata = None  # the serving runner's MetadataBuffer (use_metadata_buffer)
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
@@ -91,7 +92,16 @@ class ReplayRuntime:
             self.buffers = [torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in rows]
             if self.trim_main_sizes:
                 self.io = TrimIO(n, max(self.trim_main_sizes), rows[0].device, self.res)
+                if self.metadata is not None:
+                    self.io.adopt(self.metadata)
         return self.buffers
+
+    def use_metadata_buffer(self, metadata) -> None:
+        """Served steps' replay count and rows will be at the head of ``metadata`` (a
+        runner's MetadataBuffer): the gather graphs, captured later, read them there."""
+        self.metadata = metadata
+        if self.io is not None:
+            self.io.adopt(metadata)
 
     def _sliced(self, rows: list[torch.Tensor], size: int) -> list[torch.Tensor]:
         """The static buffers at ``size`` rows (kept: slicing is host time per step)."""
@@ -142,7 +152,8 @@ class ReplayRuntime:
         with ctx.activate(view):
             if io_pair is not None and self.io is not None and io_pair in self.io.graphs:
                 bufs = self._sliced(rows, size)
-                self.io.stage(rep.count_rows)
+                if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
+                    self.io.stage(rep.count_rows)
                 self.io.run(*io_pair, rows, bufs, lambda: self.run_region(bufs, consts, size), outs)
                 res = None
             elif size is None:
