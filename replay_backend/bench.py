@@ -57,6 +57,9 @@ class ModeRun:
     # without the region it runs (wall time: it holds any wait inside its CUDA calls)
     trim_host_us: dict = field(default_factory=dict)
     first_ms: dict = field(default_factory=dict)  # "isl/conc" -> the point's first (warm-up) run
+    # "isl/conc" -> counters of bench_timing.SERVED_EVENTS that moved in this mode's timed
+    # runs (a fallback, a capture, a copy of the trim rows): none is expected
+    events: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
     rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
     drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (bench_accuracy)

@@ -101,6 +101,13 @@ def render(report: dict) -> str:
         lines.append(f"\nFIRST RUNS over {FIRST_RUN_FACTOR:g}x their point's median (one-time work inside served "
                      "steps, such as a Triton build: docs/debugging.md, A slow first step after capture):")
         lines += [f"- {who} {point}: {first:.1f} ms, median {median:.1f} ms" for who, point, first, median in slow]
+    events = [(f"{r['setting']}/{r['mode']}", point, moved) for r in report["results"]
+              for point, moved in (r.get("events") or {}).items()]
+    if events:
+        lines.append("\nEVENTS in timed runs (counters a served step should not move: fallbacks, captures, "
+                     "recompiles, copies of the trim rows; docs/debugging.md, Counters):")
+        lines += [f"- {who} {point}: " + ", ".join(f"{k} +{v}" for k, v in moved.items())
+                  for who, point, moved in events]
     if report.get("trim_host_us_median") is not None:
         lines.append("\ntrim op host time per trimming step of the timed runs (the op without the region "
                      f"it runs): median {report['trim_host_us_median']:.0f} us (wall time: it holds any "

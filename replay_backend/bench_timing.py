@@ -16,10 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from .bench_profile import kernel_floor_ms, profile_to
+from .counters import counters
 from .runner import StepRunner
 
 if TYPE_CHECKING:  # pragma: no cover
     from .bench import ModeRun, SharedTrace
+
+# Counters a served step should never move: each one is a slow path taken inside a
+# timed run (``ModeRun.events``, the report's EVENTS section).
+SERVED_EVENTS = ("fallbacks", "captures", "recompiles", "graphs_seen", "trim_index_copies")
 
 
 def sync() -> None:
@@ -137,9 +142,13 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     with GcWatch() as gcw:
         for k in range(args.runs):
             for m in modes:
+                before = counters.state()  # outside ttft's timed span
                 times[id(m)].append(m.ttft(isl, conc, f"m{k}"))
+                _add_events(m.run.events.setdefault(point, {}), counters.moved_since(before))
     for m in modes:
         m.run.ms[point] = statistics.median(times[id(m)])
+        if not m.run.events[point]:
+            del m.run.events[point]
         rep = reps.get(id(m))
         if rep is not None and rep.host_us:
             trim_host_us.extend(rep.host_us)
@@ -153,6 +162,17 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     print(f"{point}: " + ", ".join(f"{m.run.mode}/{m.run.setting} {m.run.ms[point]:.1f} ms" for m in modes)
           + f"; gc while timing: {gcw.count} collections ({gcw.gen2} gen-2), {gcw.seconds * 1e3:.1f} ms",
           flush=True)
+
+
+def _add_events(into: dict, moved: dict) -> None:
+    for name in SERVED_EVENTS:
+        delta = moved.get(name)
+        if isinstance(delta, dict):
+            sub = into.setdefault(name, {})
+            for k, v in delta.items():
+                sub[str(k)] = sub.get(str(k), 0) + v
+        elif delta:
+            into[name] = into.get(name, 0) + delta
 
 
 def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: str, floors: dict,

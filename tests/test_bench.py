@@ -125,6 +125,19 @@ def test_render_flags_first_runs_far_above_their_median():
     assert "FIRST RUNS" not in bench.render(report)
 
 
+def test_render_lists_what_moved_in_timed_runs():
+    report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
+              "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384, "floor_ms": {},
+              "results": [{"mode": "replay", "setting": "wide", "compile_s": 2.0, "capture": {}, "error": None,
+                           "ms": {"1024/1": 15.1}, "events": {"1024/1": {
+                               "fallbacks": {"uncaptured_size": 20}, "trim_index_copies": 10}}}]}
+    text = bench.render(report)
+    assert "EVENTS in timed runs" in text
+    assert "- wide/replay 1024/1: fallbacks +{'uncaptured_size': 20}, trim_index_copies +10" in text
+    report["results"][0]["events"] = {}
+    assert "EVENTS" not in bench.render(report)
+
+
 def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     """The whole bench on CPU with a small model: every mode measured at every point
     with the plain model's answer, run k of every mode before run k + 1 of any, the trim
@@ -158,6 +171,9 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     assert set(runs[("replay", "default")]["trim_host_us"]) == {"40/2", "100/1", "100/2"}
     assert set(runs[("replay", "wide")]["trim_host_us"]) == {"40/1", "40/2", "100/1", "100/2"}
     assert all(set(r["first_ms"]) == set(r["ms"]) for r in runs.values())  # each point's first run
+    # served steps took no slow path: no fallback, capture or trace, and the trimming
+    # steps' gather graphs read their rows in place
+    assert all(r["events"] == {} for r in runs.values()), {k: r["events"] for k, r in runs.items()}
     assert report["trim_host_us_median"] > 0
     assert report["check_tokens"] == 40  # the shortest ISL
     for when in ("start", "end"):  # host speed around the timed points; no CUDA here
