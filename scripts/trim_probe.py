@@ -98,6 +98,11 @@ def main() -> None:
     region_us = prompts("m", args.steps)
     op_us = list(rep.host_us)
     copies = counters.trim_index_copies - copies  # 0: the gather graphs read the rows in place
+    served, rep._served = rep._served, {}  # the same steps through the op's general path
+    rep.host_us.clear()
+    prompts("g", args.steps)
+    general_us = list(rep.host_us)
+    rep._served = served
     # The graphed path against the same step without graphs: a fast wrong op is no result.
     batch = runner.build_batch([RequestChunk("last", args.isl, args.isl)])
     last = runner.run(batch)
@@ -110,6 +115,9 @@ def main() -> None:
     print(f"step {last.step}, trim {last.trim}")
     print(f"trim op host us (no region), median of {len(op_us)} steps: {statistics.median(op_us):.1f}"
           f" ({copies} of them copied their rows to the gather graphs' index)")
+    if served and general_us:
+        print(f"  the same steps through the op's general path (ReplayRuntime._dispatch): median "
+              f"{statistics.median(general_us):.1f} us")
     for k, v in phases.items():
         print(f"  {k}: median {statistics.median(v):.1f} us over {len(v)}")
     print(f"  region (graphs + eager attention): median {statistics.median(region_us):.0f} us")

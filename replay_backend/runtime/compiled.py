@@ -187,7 +187,7 @@ class CompiledReplayModel:
         self.serving = True
         self.main_level.may_capture = False
         if self.replay is not None:
-            self.replay.level.may_capture = False
+            self.replay.start_serving()
 
 
 def _gpu_free() -> int:

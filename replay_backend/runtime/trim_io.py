@@ -99,7 +99,7 @@ class TrimIO:
         if size <= self.smax:
             self.main_io[size] = (list(rows), list(outs))
 
-    def _tails(self, size: int, rows_size: int) -> tuple[tuple, tuple]:
+    def tails(self, size: int, rows_size: int) -> tuple[tuple, tuple]:
         """The index arguments of the (``size``, ``rows_size``) graphs after the row
         tensors, kept per pair: slicing them per step would be host time."""
         tails = self._tail_cache.get((size, rows_size))
@@ -120,7 +120,7 @@ class TrimIO:
             if size not in self.main_io or (size, rows_size) in self.graphs:
                 continue
             rows, outs = self.main_io[size]
-            gtail, stail = self._tails(size, rows_size)
+            gtail, stail = self.tails(size, rows_size)
             pair = []
             for name, fn, args in (("gather", _gather(len(rows), size), (*rows, *bufs, *gtail)),
                                    ("scatter", _scatter(len(outs)), (*res, *outs, *stail))):
@@ -147,6 +147,6 @@ class TrimIO:
         """Gather (graph), ``region()`` runs the region and returns its outputs, scatter
         (graph). The step's index data must be in place or staged."""
         gather, scatter = self.graphs[(size, rows_size)]
-        gtail, stail = self._tails(size, rows_size)
+        gtail, stail = self.tails(size, rows_size)
         gather.replay((*rows, *bufs, *gtail))
         scatter.replay((*region(), *outs, *stail))

@@ -81,6 +81,11 @@ class ReplayRuntime:
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
         self.metadata = None  # the serving runner's MetadataBuffer (use_metadata_buffer)
+        # Served steps' graphed trims by (main size, replay size), and those main sizes
+        # (start_serving; empty before it and with data-parallel agreement).
+        self._served: dict[tuple[int, int], tuple] = {}
+        self._served_sizes: frozenset[int] = frozenset()
+        self._served_pad: list[int | None] = []  # replay rows -> padded_size(), as a lookup
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
@@ -121,9 +126,50 @@ class ReplayRuntime:
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
-        self._region_s = 0.0
         ctx = get_forward_context()
-        batch, step = ctx.batch, ctx.step
+        step = ctx.step
+        if step is not None and step.padded_tokens in self._served_sizes and step.kind == "piecewise" \
+                and ctx.use_graphs and self._served_trim(ctx, step, rows, consts, outs, t0):
+            return
+        self._dispatch(ctx, step, rows, consts, outs, t0)
+
+    def _served_trim(self, ctx, step, rows, consts, outs, t0: float) -> bool:
+        """A served PIECEWISE step that trims into a replay graph (the common case) on a
+        path of its own; False, having done nothing, when its replay rows fit no graph.
+        The op runs right after the step's main graph launches with the host's caches
+        cold, where every line of the general path below costs microseconds: this path
+        halves the op's Python (docs/benchmarks.md). Its effect, counters and record are
+        those of the general path's graphed-trim branch (tests/test_backend.py runs the
+        same steps through both)."""
+        rep = ctx.batch.replay
+        n = len(rep.rows)
+        if n >= len(self._served_pad):
+            return False
+        size = self._served_pad[n]
+        plan = self._served.get((step.padded_tokens, size))
+        if plan is None:
+            return False
+        gather, scatter, bufs, gtail, stail = plan
+        if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
+            self.io.stage(rep.count_rows)
+        self._region_s = 0.0
+        saved, ctx.active = ctx.active, rep.view  # ctx.activate(), without its three frames
+        try:
+            gather.replay((*rows, *bufs, *gtail))
+            scatter.replay((*self.run_region(bufs, consts, size), *outs, *stail))
+        finally:
+            ctx.active = saved
+        counters.trims += 1
+        counters.replay_dispatch[size] += 1
+        # tuple.__new__: the named tuple's own __new__ is a Python frame, about 10 us here
+        ctx.last_trim = tuple.__new__(TrimRecord, (True, n, size, True, True))
+        self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
+        return True
+
+    def _dispatch(self, ctx, step, rows, consts, outs, t0: float) -> None:
+        """Every step: decide (SPEC §5), gather, run the region, scatter."""
+        self._region_s = 0.0
+        batch = ctx.batch
         self.consts = consts
         if self.level.sizes:
             self._static_inputs(rows)
@@ -179,6 +225,16 @@ class ReplayRuntime:
                                    io_graphs=res is None)
         if trim:
             self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
+
+    def start_serving(self) -> None:
+        """No capture from now on; served steps that trim into graphs take
+        :meth:`_served_trim` (not with data-parallel ranks, which agree first)."""
+        self.level.may_capture = False
+        if self.io is not None and self.dp_group is None:
+            self._served = {pair: (gather, scatter, self._sliced(self.buffers, pair[1]), *self.io.tails(*pair))
+                            for pair, (gather, scatter) in self.io.graphs.items()}
+            self._served_sizes = frozenset(size for size, _ in self._served)
+            self._served_pad = [padded_size(self.replay_sizes, n) for n in range(self.replay_sizes[-1] + 1)]
 
     def capture(self, size: int, view) -> int:
         """Capture the region's graphs for ``size`` on a dummy replay batch, then the
