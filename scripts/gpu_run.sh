@@ -2,7 +2,8 @@
 # Runs on the GPU machine: install without network, GPU tests, then the benchmark.
 # usage: bash scripts/gpu_run.sh OUTDIR [bench args...]
 # env: SKIP_TESTS=1, TEST_TIMEOUT=s, ACCURACY_PROBE="accuracy_probe.py args", PROBE_TIMEOUT=s,
-#      TRIM_PROBES=1 (row_moves_probe.py, graph_launch_probe.py, then trim_probe.py on both trim paths),
+#      TRIM_PROBES=1 (row_moves_probe.py, graph_launch_probe.py, trim_probe.py on both trim paths and
+#      at 4K, trim_op_python.py),
 #      FIRST_STEPS="first_steps_probe.py args" (Triton builds inside the first served steps),
 #      BENCH_TIMEOUT=s, WARM_COMPILE=1 (a second, warm compile-only run)
 set -uo pipefail
@@ -27,11 +28,14 @@ fi
 if [ "${TRIM_PROBES:-0}" = 1 ]; then
     timeout 120 python3 scripts/row_moves_probe.py 2>&1 | tee "$out/row_moves_probe.log" | tail -4
     timeout 120 python3 scripts/graph_launch_probe.py 2>&1 | tee "$out/graph_launch_probe.log"
-    for isl in 1024 2048; do
-        timeout 120 python3 scripts/trim_probe.py --preset mini-2k --layers 8 --isl "$isl" --steps 50 \
-            > "$out/trim_probe_$isl.log" 2>&1
+    # graphed at 1K, main layers without graphs at 2K, graphed at 4K
+    for probe in "1024 512,1024" "2048 512,1024" "4096 512,1024,4096"; do
+        read -r isl sizes <<< "$probe"  # not `set --`: the bench's arguments are "$@"
+        timeout 150 python3 scripts/trim_probe.py --preset mini-2k --layers 8 --isl "$isl" --sizes "$sizes" \
+            --steps 50 > "$out/trim_probe_$isl.log" 2>&1
         grep -E "^(step|trim op|  )" "$out/trim_probe_$isl.log" | head -24
     done
+    timeout 120 python3 scripts/trim_op_python.py 2>&1 | tee "$out/trim_op_python.log" | tail -5
 fi
 if [ "$#" -gt 0 ]; then
     timeout "${BENCH_TIMEOUT:-400}" replay-backend bench --json "$out/bench.json" --out "$out/bench.md" "$@" 2>&1 \
