@@ -375,11 +375,16 @@ def test_stale_replay_rows_do_not_leak(shared):
     assert (stale != 0).any()
 
 
-def test_served_graphed_trims_take_their_own_path_with_the_general_paths_effect(shared, monkeypatch):
+@pytest.mark.parametrize("make, kind, rows, rpad, io", [
+    (lambda: [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], "piecewise", 27, 32, True),  # 61 -> 64
+    (lambda: [R("p", 70, 70), R("d", 1, 30)], "eager", 17, 32, False),  # 71 tokens: main without graphs
+])
+def test_served_trims_take_their_own_path_with_the_general_paths_effect(shared, monkeypatch, make, kind,
+                                                                       rows, rpad, io):
     """Served steps that trim into a replay graph skip the op's general dispatch
-    (``ReplayRuntime._served_trim``). The same step through the general path gives the
-    same logits bit for bit, the same counters, record and graph replays; a step whose
-    rows fit no replay graph falls through to the general path."""
+    (``ReplayRuntime._served_trim``), with the gathers and scatter as graphs or as one
+    launch each way. The same step through the general path gives the same logits bit
+    for bit, the same counters and record; a step whose rows fit no plan falls through."""
     from replay_backend.runtime.trim_op import ReplayRuntime
 
     rep = shared.be.model.replay
@@ -387,26 +392,24 @@ def test_served_graphed_trims_take_their_own_path_with_the_general_paths_effect(
     general = []
     dispatch = ReplayRuntime._dispatch
     monkeypatch.setattr(ReplayRuntime, "_dispatch", lambda self, *a: general.append(1) or dispatch(self, *a))
-    reqs = [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)]  # 61 tokens -> 64; 27 replay rows -> 32
+    reqs = make()
     prefill_both(shared, reqs)
-    gather, scatter = rep.io.graphs[(64, 32)]
-    plans, runs = rep._served, []
-    for served in (plans, {}):
-        monkeypatch.setattr(rep, "_served", served)
+    pad, runs = rep._served_pad, []
+    for served in (pad, []):  # an empty lookup list switches the served path off
+        monkeypatch.setattr(rep, "_served_pad", served)
         general.clear()
-        before, replays = counters.state(), (gather.replays, scatter.replays)
+        before = counters.state()
         out = shared.rc.step(reqs)
-        runs.append((out, counters.moved_since(before), len(general),
-                     (gather.replays - replays[0], scatter.replays - replays[1])))
-    (a, moved_a, general_a, replays_a), (b, moved_b, general_b, replays_b) = runs
+        runs.append((out, counters.moved_since(before), len(general)))
+    (a, moved_a, general_a), (b, moved_b, general_b) = runs
     assert (general_a, general_b) == (0, 1)
-    assert torch.equal(a.logits, b.logits) and a.trim == b.trim and a.trim.io_graphs
-    assert moved_a == moved_b == {"trims": 1, "replay_dispatch": {32: 1}}
-    assert replays_a == replays_b == (1, 1)
+    assert (a.step.kind, a.trim.rows, a.trim.padded, a.trim.graph, a.trim.io_graphs) == (kind, rows, rpad, True, io)
+    assert torch.equal(a.logits, b.logits) and a.trim == b.trim
+    assert moved_a == moved_b == {"trims": 1, "replay_dispatch": {rpad: 1}}
     check_outputs(shared, a, shared.ro.step(reqs))
-    monkeypatch.setattr(rep, "_served", {k: v for k, v in plans.items() if k != (64, 32)})
+    monkeypatch.setattr(rep, "_served_pad", pad[:rows])  # no replay size for this step's rows
     general.clear()
-    assert shared.rc.step(reqs).trim == a.trim and general == [1]  # no plan for its pair
+    assert shared.rc.step(reqs).trim == a.trim and general == [1]
 
 
 def test_served_steps_give_the_gather_graphs_their_rows_in_place(shared):

@@ -81,11 +81,13 @@ class ReplayRuntime:
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
         self.metadata = None  # the serving runner's MetadataBuffer (use_metadata_buffer)
-        # Served steps' graphed trims by (main size, replay size), and those main sizes
-        # (start_serving; empty before it and with data-parallel agreement).
+        # What served trims look up (start_serving; empty before it and with data-parallel
+        # agreement): replay rows -> replay size, as a list; the region's buffers per
+        # replay size; the graphed trims by (main size, replay size), and those main sizes.
+        self._served_pad: list[int] = []
+        self._served_bufs: dict[int, list[torch.Tensor]] = {}
         self._served: dict[tuple[int, int], tuple] = {}
         self._served_sizes: frozenset[int] = frozenset()
-        self._served_pad: list[int | None] = []  # replay rows -> padded_size(), as a lookup
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
@@ -128,41 +130,54 @@ class ReplayRuntime:
         t0 = time.perf_counter()
         ctx = get_forward_context()
         step = ctx.step
-        if step is not None and step.padded_tokens in self._served_sizes and step.kind == "piecewise" \
-                and ctx.use_graphs and self._served_trim(ctx, step, rows, consts, outs, t0):
+        if self._served_pad and step is not None and ctx.use_graphs \
+                and (step.padded_tokens in self._served_sizes or step.kind == "eager") \
+                and self._served_trim(ctx, step, rows, consts, outs, t0):
             return
         self._dispatch(ctx, step, rows, consts, outs, t0)
 
     def _served_trim(self, ctx, step, rows, consts, outs, t0: float) -> bool:
-        """A served PIECEWISE step that trims into a replay graph (the common case) on a
-        path of its own; False, having done nothing, when its replay rows fit no graph.
-        The op runs right after the step's main graph launches with the host's caches
-        cold, where every line of the general path below costs microseconds: this path
-        halves the op's Python (docs/benchmarks.md). Its effect, counters and record are
-        those of the general path's graphed-trim branch (tests/test_backend.py runs the
-        same steps through both)."""
-        rep = ctx.batch.replay
+        """A served step that trims into a replay graph (the common case) on a path of
+        its own; False, having done nothing, for any other step. The op runs right after
+        the step's main layers with the host's caches cold, where every line of the
+        general path below costs microseconds: this path halves the op's Python
+        (docs/benchmarks.md). Its effect, counters and record are those of the general
+        path's branch for the same step (tests/test_backend.py runs steps through both)."""
+        batch = ctx.batch
+        rep = batch.replay
         n = len(rep.rows)
         if n >= len(self._served_pad):
-            return False
+            return False  # more replay rows than the largest replay graph
         size = self._served_pad[n]
-        plan = self._served.get((step.padded_tokens, size))
-        if plan is None:
-            return False
-        gather, scatter, bufs, gtail, stail = plan
-        if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
-            self.io.stage(rep.count_rows)
+        if step.kind == "piecewise":  # gathers and scatter as graphs (trim_io.py)
+            plan = self._served.get((step.padded_tokens, size))
+            if plan is None:
+                return False
+            gather, scatter, bufs, gtail, stail = plan
+            if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
+                self.io.stage(rep.count_rows)
+        elif n < batch.view.num_tokens:  # main layers without graphs: one launch each way
+            gather = None
+            bufs = self._served_bufs[size]
+        else:
+            return False  # an eager step trims only a prefill longer than W (SPEC §5)
         self._region_s = 0.0
         saved, ctx.active = ctx.active, rep.view  # ctx.activate(), without its three frames
         try:
-            gather.replay((*rows, *bufs, *gtail))
-            scatter.replay((*self.run_region(bufs, consts, size), *outs, *stail))
+            if gather is not None:
+                gather.replay((*rows, *bufs, *gtail))
+                scatter.replay((*self.run_region(bufs, consts, size), *outs, *stail))
+            else:
+                self.moves.gather(rows, bufs, rep.rows_t)
+                res = self.run_region(bufs, consts, size)
         finally:
             ctx.active = saved
+        if gather is None:
+            self.moves.scatter(res, outs, rep.rows_t)
         counters.trims += 1
         counters.replay_dispatch[size] += 1
         # tuple.__new__: the named tuple's own __new__ is a Python frame, about 10 us here
-        ctx.last_trim = tuple.__new__(TrimRecord, (True, n, size, True, True))
+        ctx.last_trim = tuple.__new__(TrimRecord, (True, n, size, True, gather is not None))
         self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
         return True
 
@@ -227,14 +242,18 @@ class ReplayRuntime:
             self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
 
     def start_serving(self) -> None:
-        """No capture from now on; served steps that trim into graphs take
-        :meth:`_served_trim` (not with data-parallel ranks, which agree first)."""
+        """No capture from now on. Served steps that trim into replay graphs take
+        :meth:`_served_trim`, with what it looks up kept here (not with data-parallel
+        ranks, which agree first, nor before any step ran)."""
         self.level.may_capture = False
-        if self.io is not None and self.dp_group is None:
-            self._served = {pair: (gather, scatter, self._sliced(self.buffers, pair[1]), *self.io.tails(*pair))
+        if self.dp_group is not None or not self.replay_sizes or self.buffers is None:
+            return
+        self._served_pad = [padded_size(self.replay_sizes, n) for n in range(self.replay_sizes[-1] + 1)]
+        self._served_bufs = {size: self._sliced(self.buffers, size) for size in self.replay_sizes}
+        if self.io is not None:
+            self._served = {pair: (gather, scatter, self._served_bufs[pair[1]], *self.io.tails(*pair))
                             for pair, (gather, scatter) in self.io.graphs.items()}
             self._served_sizes = frozenset(size for size, _ in self._served)
-            self._served_pad = [padded_size(self.replay_sizes, n) for n in range(self.replay_sizes[-1] + 1)]
 
     def capture(self, size: int, view) -> int:
         """Capture the region's graphs for ``size`` on a dummy replay batch, then the
