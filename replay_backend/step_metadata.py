@@ -53,16 +53,15 @@ class MetadataBuffer:
         # Zeros, not empty: the gather graph's warm-up and capture read the head before
         # any step was built into it (any values are safe there, see trim_io.py).
         self.data = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.capacity = capacity
         self.generation = 0
 
     def place(self, flat: torch.Tensor) -> torch.Tensor:
         """Copy ``flat`` (a 1-D int64 host tensor) to the buffer's start; returns the
         view it occupies. The batches built before this one become stale."""
         n = flat.shape[0]
-        if n > self.capacity:
+        if n > self.data.shape[0]:
             raise ValueError(f"step metadata of {n} elements exceeds the runner's metadata buffer "
-                             f"({self.capacity}); metadata_capacity() no longer bounds build_step_batch")
+                             f"({self.data.shape[0]}); metadata_capacity() no longer bounds build_step_batch")
         dst = self.data[:n]
         if self.data.is_cuda:
             dst.copy_(flat.pin_memory(), non_blocking=True)  # pinned: see to_device

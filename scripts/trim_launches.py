@@ -168,7 +168,7 @@ def eager_scatter(runner, rep, prompts, steps: int, isl: int) -> None:
         rep.moves.scatter(res, outs, get_forward_context().batch.replay.rows_t)
         took.append((time.perf_counter() - t0) * 1e6)
     rep.host_us.clear()
-    with patched(rep, "_served", {}), patched(trim_io.TrimIO, "run", run):  # the general path runs TrimIO.run
+    with patched(rep, "_served_pad", []), patched(trim_io.TrimIO, "run", run):  # the general path runs TrimIO.run
         prompts("e", steps)
         op = statistics.median(rep.host_us)
         batch = runner.build_batch([RequestChunk("e-last", isl, isl)])

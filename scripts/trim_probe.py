@@ -98,11 +98,11 @@ def main() -> None:
     region_us = prompts("m", args.steps)
     op_us = list(rep.host_us)
     copies = counters.trim_index_copies - copies  # 0: the gather graphs read the rows in place
-    served, rep._served = rep._served, {}  # the same steps through the op's general path
+    served, rep._served_pad = rep._served_pad, []  # the same steps through the op's general path
     rep.host_us.clear()
     prompts("g", args.steps)
     general_us = list(rep.host_us)
-    rep._served = served
+    rep._served_pad = served
     # The graphed path against the same step without graphs: a fast wrong op is no result.
     batch = runner.build_batch([RequestChunk("last", args.isl, args.isl)])
     last = runner.run(batch)

@@ -82,10 +82,9 @@ class ReplayRuntime:
         self.consts: list[torch.Tensor] | None = None
         self.metadata = None  # the serving runner's MetadataBuffer (use_metadata_buffer)
         # What served trims look up (start_serving; empty before it and with data-parallel
-        # agreement): replay rows -> replay size, as a list; the region's buffers per
-        # replay size; the graphed trims by (main size, replay size), and those main sizes.
+        # agreement): replay rows -> replay size, as a list (empty: the served path is
+        # off); the graphed trims by (main size, replay size), and those main sizes.
         self._served_pad: list[int] = []
-        self._served_bufs: dict[int, list[torch.Tensor]] = {}
         self._served: dict[tuple[int, int], tuple] = {}
         self._served_sizes: frozenset[int] = frozenset()
         self.capture_phase = False  # main graphs are being captured: run the region directly
@@ -158,7 +157,7 @@ class ReplayRuntime:
                 self.io.stage(rep.count_rows)
         elif n < batch.view.num_tokens:  # main layers without graphs: one launch each way
             gather = None
-            bufs = self._served_bufs[size]
+            bufs = self._views[size]
         else:
             return False  # an eager step trims only a prefill longer than W (SPEC §5)
         self._region_s = 0.0
@@ -249,9 +248,10 @@ class ReplayRuntime:
         if self.dp_group is not None or not self.replay_sizes or self.buffers is None:
             return
         self._served_pad = [padded_size(self.replay_sizes, n) for n in range(self.replay_sizes[-1] + 1)]
-        self._served_bufs = {size: self._sliced(self.buffers, size) for size in self.replay_sizes}
+        for size in self.replay_sizes:  # the region's buffers at every replay size, in _views
+            self._sliced(self.buffers, size)
         if self.io is not None:
-            self._served = {pair: (gather, scatter, self._served_bufs[pair[1]], *self.io.tails(*pair))
+            self._served = {pair: (gather, scatter, self._views[pair[1]], *self.io.tails(*pair))
                             for pair, (gather, scatter) in self.io.graphs.items()}
             self._served_sizes = frozenset(size for size, _ in self._served)
 
