@@ -131,6 +131,38 @@ def test_layouts_are_checked_once_per_signature_and_the_row_count_every_call(mon
     assert checks == [False, True] and len(kept) == 2
 
 
+def test_a_kept_build_that_fails_later_is_a_counted_fallback_for_every_signature(monkeypatch):
+    """A launch from the kept build (a signature's later steps) that raises disables the
+    kernel like a failing first build: counted, the PyTorch ops serve that call and
+    every later one, in both directions."""
+    monkeypatch.setattr(row_moves, "INTERPRETED", True)
+    monkeypatch.setattr(row_moves, "triton", object())
+    launches = []
+
+    class Build:
+        def __getitem__(self, grid):
+            def run(*args):
+                launches.append(grid)
+                raise RuntimeError("launch failed")
+            return run
+    monkeypatch.setattr(row_moves, "launch", lambda *a: Build())
+    seen = []
+    moves = row_moves.RowMoves(lambda reason, detail: seen.append(detail))
+    moves._stream = lambda index: 0
+    x, buf, rows_t = torch.arange(12.0).view(6, 2), torch.zeros(4, 2), torch.tensor([1, 4])
+    moves.gather([x], [buf], rows_t)  # the first: Triton's entry (stubbed), then kept
+    assert not seen and moves._ready
+    moves.gather([x], [buf], rows_t)  # the kept build raises: the ops write the rows
+    assert torch.equal(buf[:2], x[rows_t]) and len(launches) == 1
+    out = torch.full((6, 2), 3.0)
+    moves.scatter([buf], [out], rows_t)  # another signature: refused without a launch
+    want = torch.zeros(6, 2)
+    want[rows_t] = x[rows_t]
+    assert torch.equal(out, want) and len(launches) == 1 and not moves._ready
+    assert seen == ["trim op row moves: the kernel failed: RuntimeError: launch failed; "
+                    "a launch per tensor instead"] * 2, seen
+
+
 @needs_triton
 def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registered():
     """The kept build's direct launch calls Triton's launcher with the stream and no hook
