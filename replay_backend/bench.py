@@ -99,8 +99,14 @@ class SharedTrace:
 
 
 def _model_config(args):
-    overrides = {k: tuple(v) if isinstance(v, list) else v
-                 for k, v in parse_options(getattr(args, "model_option", None), "--model-option").items()}
+    base = preset(args.preset)
+    overrides = {}
+    for k, v in parse_options(getattr(args, "model_option", None), "--model-option").items():
+        if isinstance(v, list):
+            v = tuple(v)
+        elif isinstance(getattr(base, k, None), tuple):  # one layer id parses as a number
+            v = (v,)
+        overrides[k] = v
     try:
         return preset(args.preset, **overrides)
     except TypeError as e:
@@ -196,11 +202,18 @@ def _model(args):
     return build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32), device
 
 
-def run_bench(args) -> dict:
+def run_bench(args, checkpoint=None) -> dict:
+    """Every mode at every point; returns the report. ``checkpoint(report)``, when given,
+    gets the report so far once this backend's modes are ready, after each timed point
+    and after the stock peer's compile, so that a run stopped by an outer time limit
+    still leaves what it measured."""
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     if not shapes:
         raise ValueError(f"every ISL x concurrency point is above --max-tokens-per-point "
                          f"{args.max_tokens_per_point} prompt tokens: nothing to measure")
+    # --max-seconds counts from here, the check prompt included: it is meant to fit the
+    # bench inside an outer time limit.
+    deadline = time.perf_counter() + args.max_seconds
     model, device = _model(args)
     dtype = next(model.parameters()).dtype
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
@@ -221,7 +234,21 @@ def run_bench(args) -> dict:
     floors: dict = {}
     trim_host_us: list[float] = []
     trace_s = None
-    deadline = time.perf_counter() + args.max_seconds
+    probes: dict = {}
+
+    def report() -> dict:
+        return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
+                "model_options": list(args.model_option or []),
+                "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
+                "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
+                "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": gate.plain_err,
+                "noise_err_vs_fp32": gate.noise_err, "drift_limit": gate.limit,
+                "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint(report())
 
     def prepare(mode: str, setting: str) -> TimedMode | None:
         nonlocal trace_s
@@ -246,30 +273,28 @@ def run_bench(args) -> dict:
 
     # This backend's modes (and eager) built and captured first, then timed in turns.
     ours = [m for m in (prepare(*ms) for ms in plan if ms[0] != "reduce-overhead") if m is not None]
-    probes = {"start": host_probe()}
+    probes["start"] = host_probe()
     print(f"host speed at start: {probes['start']}", flush=True)
-    time_points(ours, shapes, deadline, args, device, floors, trim_host_us)
+    save()
+    time_points(ours, shapes, deadline, args, device, floors, trim_host_us, done=save)
     probes["end"] = host_probe()
     ours.clear()
     shared.backends.clear()  # their graphs and buffers go before the peer compiles
     _release()
     for ms in plan:
         if ms[0] == "reduce-overhead":  # it resets Dynamo, so it comes last and alone
+            if time.perf_counter() > deadline:  # its compile alone takes minutes
+                results.append(ModeRun(*ms, error="time budget spent"))
+                continue
             peer = prepare(*ms)
+            save()
             if peer is not None:
-                time_points([peer], shapes, deadline, args, device, floors, trim_host_us)
+                time_points([peer], shapes, deadline, args, device, floors, trim_host_us, done=save)
             peer = None
             _release()
     for run in results:
         print(json.dumps(asdict(run)), flush=True)
-    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
-            "model_options": list(args.model_option or []),
-            "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
-            "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": gate.plain_err,
-            "noise_err_vs_fp32": gate.noise_err, "drift_limit": gate.limit,
-            "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
+    return report()
 
 
 def compile_only(args) -> dict:

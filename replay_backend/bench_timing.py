@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -176,8 +177,9 @@ def _add_events(into: dict, moved: dict) -> None:
 
 
 def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: str, floors: dict,
-                 trim_host_us: list) -> None:
-    """Every point for every mode; a mode that fails leaves the rotation with its error."""
+                 trim_host_us: list, done: Callable[[], None] | None = None) -> None:
+    """Every point for every mode; a mode that fails leaves the rotation with its error.
+    ``done()`` runs after each point."""
     for isl, conc in shapes:
         if time.perf_counter() > deadline:
             for m in modes:
@@ -190,3 +192,5 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
             except ModeFailed as f:  # the point again without it
                 f.mode.run.error = f"{type(f.cause).__name__}: {f.cause}"[:500]
                 modes = [m for m in modes if m is not f.mode]
+        if done is not None:
+            done()

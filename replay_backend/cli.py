@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -173,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-batched-tokens", type=int, default=16384)
     b.add_argument("--max-tokens-per-point", type=int, default=65536,
                    help="skip ISL x concurrency points above this many prompt tokens")
-    b.add_argument("--max-seconds", type=float, default=1e9, help="stop measuring new points after this")
+    b.add_argument("--max-seconds", type=float, default=1e9,
+                   help="from the bench's start: no new point, nor the stock peer's compile, after this")
     b.add_argument("--json", metavar="PATH", help="write the raw report here")
     b.add_argument("--out", metavar="PATH", help="write the markdown table here")
     b.add_argument("--profile-out", metavar="FILE", help="append a profiler summary per mode and profiled point")
@@ -192,6 +194,18 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _write_report(args, report: dict) -> str:
+    """The table of ``report``, written to --out and the report to --json when given:
+    after every point, so a run an outer limit stops keeps what it measured."""
+    text = bench.render(report)
+    for path, body in ((args.json, lambda: json.dumps(report, indent=2)), (args.out, lambda: text + "\n")):
+        if path:  # whole or not at all: a limit may stop the run while it writes
+            with open(f"{path}.part", "w") as f:
+                f.write(body())
+            os.replace(f"{path}.part", path)
+    return text
+
+
 def cmd_bench(args) -> int:
     if args.preset is None:
         args.preset = "mini-2k" if torch.cuda.is_available() else "tiny"
@@ -204,15 +218,8 @@ def cmd_bench(args) -> int:
     if args.compile_only:
         print(json.dumps(bench.compile_only(args)))
         return 0
-    report = bench.run_bench(args)
-    text = bench.render(report)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    report = bench.run_bench(args, checkpoint=lambda partial: _write_report(args, partial))
+    print(_write_report(args, report))
     return 0 if all(not r["error"] and not r.get("drifted") for r in report["results"]) else 1
 
 

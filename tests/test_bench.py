@@ -1,12 +1,13 @@
 """The benchmark's machinery on CPU: one trace for every mode, run order, the table."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from replay_backend import bench, bench_report, bench_timing
+from replay_backend import bench, bench_report, bench_timing, cli
 from replay_backend.backend import ReplayBackend
 from replay_backend.compare import max_abs_err
 from replay_backend.counters import counters
@@ -86,7 +87,7 @@ def test_bench_refuses_a_run_with_every_point_filtered_out():
         bench.run_bench(args)
 
 
-def test_render_has_the_table_shape_and_ratios():
+def test_render_has_the_table_shape_and_ratios(tmp_path):
     report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
               "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384, "trace_s": 30.0,
               "floor_ms": {"default": {"1024/1": 20.0}}, "trim_host_us_median": 80.0,
@@ -103,6 +104,12 @@ def test_render_has_the_table_shape_and_ratios():
     assert "trim op host time per trimming step of the timed runs (the op without the region it runs): " \
            "median 80 us (wall time: it holds any wait for the device inside the op's CUDA calls)" in text
     assert "- default/replay: 1024/1: 80 us" in text
+    # the CLI writes the table and the report whole, each time it is handed one
+    args = SimpleNamespace(json=str(tmp_path / "b.json"), out=str(tmp_path / "b.md"))
+    assert cli._write_report(args, report) == text
+    assert json.loads((tmp_path / "b.json").read_text()) == report
+    assert (tmp_path / "b.md").read_text() == text + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json", "b.md"]  # no partial file left
 
 
 def test_render_flags_first_runs_far_above_their_median():
@@ -156,8 +163,12 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
         modes=["eager", "off", "parent", "piecewise", "replay"], settings=["default", "wide"],
         isl=[40, 100], conc=[1, 2], runs=2, warmup=1, max_num_batched_tokens=128,
         max_tokens_per_point=1000, max_seconds=1e9, profile_out=None, profile_points=[])
-    report = bench.run_bench(args)
+    saved = []
+    report = bench.run_bench(args, checkpoint=saved.append)
     runs = {(r["mode"], r["setting"]): r for r in report["results"]}
+    # a partial report after the modes were prepared and after each point, the last whole
+    assert [sum(len(r["ms"]) for r in s["results"]) for s in saved] == [0, 7, 14, 21, 28]
+    assert saved[-1] == report
     assert set(runs) == {("eager", "default"), ("off", "default"), ("parent", "default"),
                          ("piecewise", "default"), ("piecewise", "wide"), ("replay", "default"),
                          ("replay", "wide")}
@@ -189,6 +200,39 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     text = bench.render(report)
     assert "| 100/2 |" in text
     assert "host speed (small CPU op / tiny CUDA launch, us per call): start " in text
+
+
+def test_max_seconds_counts_from_the_start_and_keeps_the_stock_peer_from_starting(monkeypatch):
+    """Past --max-seconds (counted from the bench's start, the check prompt included) no
+    point is measured and the stock peer is not compiled (minutes on the GPU): each
+    mode reports the spent budget, and the report is still whole and renders."""
+    monkeypatch.setattr(bench.torch, "compile", _refuse_peer(bench.torch.compile))
+    args = SimpleNamespace(
+        preset="tiny", model_option=["num_layers=4", "kv_source_layer_ids=1", "window=16"],
+        option=["compiler=eager"], modes=["off", "reduce-overhead"], settings=["default"],
+        isl=[40], conc=[1], runs=2, warmup=1, max_num_batched_tokens=128,
+        max_tokens_per_point=1000, max_seconds=0.0, profile_out=None, profile_points=[])
+    report = bench.run_bench(args)
+    runs = {r["mode"]: r for r in report["results"]}
+    assert runs["off"]["error"] == runs["reduce-overhead"]["error"] == "time budget spent"
+    assert runs["off"]["ms"] == runs["reduce-overhead"]["ms"] == {}
+    assert runs["off"]["rel_err_vs_fp32"] is not None  # prepared and checked before the budget applied
+    assert "ERROR time budget spent" in bench.render(report)
+
+
+def test_model_options_take_one_layer_id_as_a_list_of_one():
+    cfg = bench._model_config(SimpleNamespace(preset="tiny", model_option=["kv_source_layer_ids=1", "num_layers=4"]))
+    assert cfg.kv_source_layer_ids == (1,) and cfg.num_layers == 4
+    with pytest.raises(ValueError, match="--model-option: .*no_such_field"):
+        bench._model_config(SimpleNamespace(preset="tiny", model_option=["no_such_field=1"]))
+
+
+def _refuse_peer(compile_fn):
+    """torch.compile for this backend's shared trace; the stock peer's call fails the test."""
+    def fn(model, **kw):
+        assert "backend" in kw, "the stock peer was compiled past the time budget"
+        return compile_fn(model, **kw)
+    return fn
 
 
 def test_check_prompt_is_the_shortest_isl_capped():
