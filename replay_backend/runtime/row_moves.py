@@ -202,9 +202,6 @@ class RowMoves:
         self._fallback = fallback
         self._plans: dict[tuple, Plan | str] = {}  # by signature
         self._launchers: dict[tuple, Callable] = {}  # kept builds by their key (Plan.key)
-        # (plan, kept build) by signature once both exist: every step after the first of
-        # a signature takes one lookup, which matters as the op runs with cold caches.
-        self._ready: dict[tuple, tuple[Plan, Callable]] = {}
         self._stream = torch_compat.raw_stream_getter()
         self._broken: str | None = None if triton is not None else "Triton is not installed"
 
@@ -212,51 +209,26 @@ class RowMoves:
         if not (rows_t.is_cuda or INTERPRETED):
             return False  # the CPU path, not a fallback
         sig = (scatter, len(srcs), srcs[0].shape[0] if srcs else 0, dsts[0].shape[0] if dsts else 0)
-        ready = self._ready.get(sig)
-        if ready is not None and rows_t.shape[0] <= ready[0].limit:
-            plan, kept = ready
-            try:
-                grid, args = arguments(plan, rows_t, srcs, dsts)
-                if grid[0]:
-                    kept(grid, self._stream(plan.device), *args)
-                return True
-            except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
-                return self._failed(e)
-        return self._first(sig, srcs, dsts, rows_t, scatter)
-
-    def _first(self, sig: tuple, srcs, dsts, rows_t, scatter: bool) -> bool:
-        """A signature's first launch (its checks, and its build through Triton's entry
-        unless another signature kept it), or a launch the checks refuse."""
         plan = self._plans.get(sig)
         if plan is None:
             plan = self._plans[sig] = make_plan(srcs, dsts, rows_t, scatter)
         why = self._broken or (plan if isinstance(plan, str) else None)
         if why is None and rows_t.shape[0] > plan.limit:
             why = f"{rows_t.shape[0]} replay rows for {plan.limit} rows"
-        if why is not None:
-            return self._refused(why)
-        try:
-            kept = self._launchers.get(plan.key)
-            if kept is None:
-                build = launch(rows_t, srcs, dsts, scatter, plan)
-                if build is None:  # the interpreter, or no rows: nothing to keep
-                    return True
-                kept = self._launchers[plan.key] = kept_launch(build)
-            else:
-                grid, args = arguments(plan, rows_t, srcs, dsts)
-                if grid[0]:
-                    kept(grid, self._stream(plan.device), *args)
-            self._ready[sig] = (plan, kept)
-            return True
-        except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
-            return self._failed(e)
-
-    def _failed(self, e: Exception) -> bool:
-        self._ready.clear()  # no step launches the kernel again
-        self._broken = f"the kernel failed: {type(e).__name__}: {e}"
-        return self._refused(self._broken)
-
-    def _refused(self, why: str) -> bool:
+        if why is None:
+            try:
+                kept = self._launchers.get(plan.key)
+                if kept is not None:
+                    grid, args = arguments(plan, rows_t, srcs, dsts)
+                    if grid[0]:
+                        kept(grid, self._stream(plan.device), *args)
+                else:
+                    build = launch(rows_t, srcs, dsts, scatter, plan)
+                    if build is not None:
+                        self._launchers[plan.key] = kept_launch(build)
+                return True
+            except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
+                why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
         self._fallback("row_moves_kernel", f"trim op row moves: {why}; a launch per tensor instead")
         return False
 
