@@ -1,7 +1,8 @@
 """The trim op's one-launch row moves against the PyTorch ops (GPU): the same result, and
 the host time per call of each (the kernel through Triton's entry; as RowMoves launches
 it, from its kept build and checks, directly; and the same through Triton's launch path),
-on mini-2k's boundary tensors.
+on mini-2k's boundary tensors; then the kept build's launch alone, given its pointers as
+tensors and as addresses.
 
 usage: python3 scripts/row_moves_probe.py [--tokens 8192] [--calls 200]
 
@@ -84,6 +85,18 @@ def main() -> None:
         print(f"{name}: PyTorch ops {a:.1f} us, one launch through Triton's entry {b:.1f} us, "
               f"RowMoves {c:.1f} us (its kept build through Triton's launch path {d:.1f} us) "
               f"per call (host, median of {args.calls})")
+    # The kept build's direct launch alone, given the 13 pointers as tensors (Triton's
+    # launcher calls data_ptr() and asks the driver about each) or as addresses.
+    for name, srcs, dsts, scatter in (("gather", rows, bufs, False), ("scatter", res, outs, True)):
+        plan = row_moves.make_plan(srcs, dsts, rows_t, scatter)
+        kept = kernel._launchers[plan.key]
+        stream = kernel._stream(plan.device)
+        timed = []
+        for raw in (False, True, False, True):
+            grid, call_args = row_moves.arguments(plan, rows_t, srcs, dsts, raw=raw)
+            timed.append(host_us(lambda: kept(grid, stream, *call_args), args.calls))
+        print(f"{name}: the kept build's launch given tensors {timed[0]:.1f} / {timed[2]:.1f} us, "
+              f"given addresses {timed[1]:.1f} / {timed[3]:.1f} us (two rounds; arguments built beforehand)")
 
 
 if __name__ == "__main__":

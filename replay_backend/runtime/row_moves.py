@@ -153,11 +153,18 @@ def make_plan(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rows_t
 
 
 def arguments(plan: Plan, rows_t: torch.Tensor, srcs: Sequence[torch.Tensor],
-              dsts: Sequence[torch.Tensor]) -> tuple[tuple[int, int, int], tuple]:
+              dsts: Sequence[torch.Tensor], raw: bool = False) -> tuple[tuple[int, int, int], tuple]:
     """The grid and the kernel's arguments, constexprs last (unused slots repeat tensor
-    0: the grid has ``k`` columns, so they never run)."""
+    0: the grid has ``k`` columns, so they never run). ``raw``: device addresses instead
+    of the tensors, for a kept build's launch. Triton's launcher asks the driver about
+    every tensor it is given (``cuPointerGetAttribute``, to refuse host memory), 13 per
+    launch here, padding included; an address it takes as it is. Host memory is refused
+    by :func:`fit` instead, once per signature, whose tensors come from fixed producers
+    (``RowMoves``)."""
     n, pad = rows_t.shape[0], MAX_TENSORS - plan.k
     grid = (dsts[0].shape[0] if plan.consts[0] else n, plan.k, 1)
+    if raw:
+        rows_t, srcs, dsts = rows_t.data_ptr(), [x.data_ptr() for x in srcs], [x.data_ptr() for x in dsts]
     return grid, (rows_t, n, *srcs, *(srcs[0],) * pad, *dsts, *(dsts[0],) * pad, *plan.widths, *plan.consts)
 
 
@@ -219,7 +226,7 @@ class RowMoves:
             try:
                 kept = self._launchers.get(plan.key)
                 if kept is not None:
-                    grid, args = arguments(plan, rows_t, srcs, dsts)
+                    grid, args = arguments(plan, rows_t, srcs, dsts, raw=True)
                     if grid[0]:
                         kept(grid, self._stream(plan.device), *args)
                 else:
