@@ -56,6 +56,9 @@ class ModeRun:
     # "isl/conc" -> median host time of the trim op per trimming step of the timed runs,
     # without the region it runs (wall time: it holds any wait inside its CUDA calls)
     trim_host_us: dict = field(default_factory=dict)
+    # "isl/conc" -> that time by the step's place among a run's trimming steps (points
+    # with more than one; bench_timing.trims_by_step)
+    trim_host_us_by_step: dict = field(default_factory=dict)
     first_ms: dict = field(default_factory=dict)  # "isl/conc" -> the point's first (warm-up) run
     # "isl/conc" -> counters of bench_timing.SERVED_EVENTS that moved in this mode's timed
     # runs (a fallback, a capture, a copy of the trim rows): none is expected

@@ -114,6 +114,9 @@ def render(report: dict) -> str:
                      "wait for the device inside the op's CUDA calls)")
         for r in report["results"]:
             if r.get("trim_host_us"):
+                by_step = r.get("trim_host_us_by_step") or {}
                 lines.append(f"- {r['setting']}/{r['mode']}: " + ", ".join(
-                    f"{k}: {v:.0f} us" for k, v in r["trim_host_us"].items()))
+                    f"{k}: {v:.0f} us" + (f" ({' / '.join(f'{x:.0f}' for x in by_step[k])} by step)"
+                                          if k in by_step else "")
+                    for k, v in r["trim_host_us"].items()))
     return "\n".join(lines)

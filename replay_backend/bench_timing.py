@@ -140,12 +140,16 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     for rep in reps.values():
         rep.host_us.clear()  # the trimming steps of the timed runs only
     times: dict[int, list[float]] = {id(m): [] for m in modes}
+    by_step: dict[int, list[list[float]]] = {key: [] for key in reps}  # each run's trims, in order
     with GcWatch() as gcw:
         for k in range(args.runs):
             for m in modes:
                 before = counters.state()  # outside ttft's timed span
+                trims = len(reps[id(m)].host_us) if id(m) in reps else 0
                 times[id(m)].append(m.ttft(isl, conc, f"m{k}"))
                 _add_events(m.run.events.setdefault(point, {}), counters.moved_since(before))
+                if id(m) in reps:
+                    by_step[id(m)].append(list(reps[id(m)].host_us)[trims:])
     for m in modes:
         m.run.ms[point] = statistics.median(times[id(m)])
         if not m.run.events[point]:
@@ -154,6 +158,9 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
         if rep is not None and rep.host_us:
             trim_host_us.extend(rep.host_us)
             m.run.trim_host_us[point] = statistics.median(rep.host_us)
+            steps = trims_by_step(by_step[id(m)])
+            if len(steps) > 1:
+                m.run.trim_host_us_by_step[point] = steps
         if args.profile_out and point in args.profile_points:
             profile_to(args.profile_out, f"{m.run.mode}/{m.run.setting} {point}",
                        lambda: m.ttft(isl, conc, "prof"), getattr(args, "trace_dir", None))
@@ -163,6 +170,15 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     print(f"{point}: " + ", ".join(f"{m.run.mode}/{m.run.setting} {m.run.ms[point]:.1f} ms" for m in modes)
           + f"; gc while timing: {gcw.count} collections ({gcw.gen2} gen-2), {gcw.seconds * 1e3:.1f} ms",
           flush=True)
+
+
+def trims_by_step(runs: list[list[float]]) -> list[float]:
+    """The trim op's median time of each run's first, second, ... trimming step. A time
+    that grows with the step's place in the run is the host waiting for the device (the
+    host runs further ahead with each step until the launch queue is full), not the op's
+    own work."""
+    most = max((len(r) for r in runs), default=0)
+    return [statistics.median(r[k] for r in runs if len(r) > k) for k in range(most)]
 
 
 def _add_events(into: dict, moved: dict) -> None:

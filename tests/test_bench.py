@@ -96,14 +96,15 @@ def test_render_has_the_table_shape_and_ratios(tmp_path):
                    "error": None},
                   {"mode": "replay", "setting": "default", "compile_s": 2.0,
                    "capture": {"main": {"graphs": 3, "sizes": 1, "seconds": 0.5, "gib": 0.25}},
-                   "ms": {"1024/1": 25.0}, "trim_host_us": {"1024/1": 80.0}, "error": None}]}
+                   "ms": {"1024/1": 25.0}, "trim_host_us": {"1024/1": 80.0, "8192/8": 300.0},
+                   "trim_host_us_by_step": {"8192/8": [70.0, 90.0, 400.0, 900.0]}, "error": None}]}
     text = bench.render(report)
     assert "| ISL/conc | off ms | replay ms | floor ms | replay speed-up vs off | replay / floor |" in text
     assert "| 1024/1 | 100.0 | 25.0 | 20.0 | 4.00x | 1.25 |" in text
     assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB" in text
     assert "trim op host time per trimming step of the timed runs (the op without the region it runs): " \
            "median 80 us (wall time: it holds any wait for the device inside the op's CUDA calls)" in text
-    assert "- default/replay: 1024/1: 80 us" in text
+    assert "- default/replay: 1024/1: 80 us, 8192/8: 300 us (70 / 90 / 400 / 900 by step)" in text
     # the CLI writes the table and the report whole, each time it is handed one
     args = SimpleNamespace(json=str(tmp_path / "b.json"), out=str(tmp_path / "b.md"))
     assert cli._write_report(args, report) == text
@@ -181,6 +182,10 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
     # and to 64 in the wide setting (trims); every other point trims in both
     assert set(runs[("replay", "default")]["trim_host_us"]) == {"40/2", "100/1", "100/2"}
     assert set(runs[("replay", "wide")]["trim_host_us"]) == {"40/1", "40/2", "100/1", "100/2"}
+    # 100/2 trims in both of its steps (128 + 72 tokens: each ends a prompt), every other point in one
+    for setting in ("default", "wide"):
+        by_step = runs[("replay", setting)]["trim_host_us_by_step"]
+        assert set(by_step) == {"100/2"} and len(by_step["100/2"]) == 2 and min(by_step["100/2"]) > 0
     assert all(set(r["first_ms"]) == set(r["ms"]) for r in runs.values())  # each point's first run
     # served steps took no slow path: no fallback, capture or trace, and the trimming
     # steps' gather graphs read their rows in place
@@ -267,3 +272,9 @@ def test_a_mode_that_fails_leaves_the_rotation_and_the_others_are_measured():
     bench_timing.time_points([bad, ok], [(8, 1), (16, 1)], float("inf"), args, "cpu", {}, [])
     assert bad.run.error == "RuntimeError: boom" and not bad.run.ms
     assert ok.run.error is None and set(ok.run.ms) == {"8/1", "16/1"}
+
+
+def test_trims_by_step_takes_each_place_in_a_run_over_the_runs_that_reach_it():
+    runs = [[10.0, 50.0, 90.0], [20.0, 40.0], [30.0, 60.0, 70.0]]
+    assert bench_timing.trims_by_step(runs) == [20.0, 50.0, 80.0]
+    assert bench_timing.trims_by_step([]) == []
