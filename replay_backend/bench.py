@@ -287,7 +287,7 @@ def run_bench(args, checkpoint=None) -> dict:
     for ms in plan:
         if ms[0] == "reduce-overhead":  # it resets Dynamo, so it comes last and alone
             if time.perf_counter() > deadline:  # its compile alone takes minutes
-                results.append(ModeRun(*ms, error="time budget spent"))
+                results.append(ModeRun(*ms, error="time budget spent (--max-seconds) before its compile"))
                 continue
             peer = prepare(*ms)
             save()

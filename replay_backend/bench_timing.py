@@ -199,7 +199,7 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
     for isl, conc in shapes:
         if time.perf_counter() > deadline:
             for m in modes:
-                m.run.error = m.run.error or "time budget spent"
+                m.run.error = m.run.error or f"time budget spent (--max-seconds) before {isl}/{conc}"
             return
         while modes:
             try:
