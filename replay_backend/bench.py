@@ -15,7 +15,7 @@ import gc
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
@@ -23,7 +23,7 @@ from . import torch_compat
 from .backend import ReplayBackend
 from .bench_accuracy import CHECK, yardstick
 from .bench_report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
-from .bench_timing import TimedMode, host_probe, sync, time_points
+from .bench_timing import ModeRun, TimedMode, host_probe, sync, time_points
 from .cli_options import parse_options
 from .compare import max_abs_err
 from .config import ReplayConfig
@@ -43,30 +43,6 @@ WIDE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 163
 # prompts (eager plain model, fp32 copy, every mode) kept the GPU bench from reaching
 # its first measurement within ten minutes.
 CHECK_MAX_TOKENS = 4096
-
-
-@dataclass
-class ModeRun:
-    mode: str
-    setting: str
-    compile_s: float = 0.0  # this mode's backend build (the shared trace is reported once)
-    capture: dict = field(default_factory=dict)
-    memory_estimate_gib: float | None = None
-    ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
-    # "isl/conc" -> median host time of the trim op per trimming step of the timed runs,
-    # without the region it runs (wall time: it holds any wait inside its CUDA calls)
-    trim_host_us: dict = field(default_factory=dict)
-    # "isl/conc" -> that time by the step's place among a run's trimming steps (points
-    # with more than one; bench_timing.trims_by_step)
-    trim_host_us_by_step: dict = field(default_factory=dict)
-    first_ms: dict = field(default_factory=dict)  # "isl/conc" -> the point's first (warm-up) run
-    # "isl/conc" -> counters of bench_timing.SERVED_EVENTS that moved in this mode's timed
-    # runs (a fallback, a capture, a copy of the trim rows): none is expected
-    events: dict = field(default_factory=dict)
-    max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
-    rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
-    drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (bench_accuracy)
-    error: str | None = None
 
 
 class _Dynamic:

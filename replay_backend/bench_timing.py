@@ -11,7 +11,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,11 +21,38 @@ from .counters import counters
 from .runner import StepRunner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .bench import ModeRun, SharedTrace
+    from .bench import SharedTrace
 
 # Counters a served step should never move: each one is a slow path taken inside a
 # timed run (``ModeRun.events``, the report's EVENTS section).
 SERVED_EVENTS = ("fallbacks", "captures", "recompiles", "graphs_seen", "trim_index_copies")
+
+
+@dataclass
+class ModeRun:
+    """One mode at one capture setting: its report entry, filled while it is built,
+    checked and timed."""
+
+    mode: str
+    setting: str
+    compile_s: float = 0.0  # this mode's backend build (the shared trace is reported once)
+    capture: dict = field(default_factory=dict)
+    memory_estimate_gib: float | None = None
+    ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
+    # "isl/conc" -> median host time of the trim op per trimming step of the timed runs,
+    # without the region it runs (wall time: it holds any wait inside its CUDA calls)
+    trim_host_us: dict = field(default_factory=dict)
+    # "isl/conc" -> that time by the step's place among a run's trimming steps (points
+    # with more than one; trims_by_step)
+    trim_host_us_by_step: dict = field(default_factory=dict)
+    first_ms: dict = field(default_factory=dict)  # "isl/conc" -> the point's first (warm-up) run
+    # "isl/conc" -> counters of SERVED_EVENTS that moved in this mode's timed
+    # runs (a fallback, a capture, a copy of the trim rows): none is expected
+    events: dict = field(default_factory=dict)
+    max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
+    rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
+    drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (bench_accuracy)
+    error: str | None = None
 
 
 def sync() -> None:
@@ -109,7 +136,7 @@ class TimedMode:
     """A prepared mode: its report entry and runner. This backend's modes share one
     compiled forward (``shared``), which runs the model of the mode selected last."""
 
-    run: "ModeRun"
+    run: ModeRun
     runner: StepRunner
     shared: "SharedTrace | None" = None
 
