@@ -164,6 +164,7 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
     if device == "cuda":
         run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
     run.capture = runner.capture()
+    run.split_warmup_s = runner.split_warmup_s
     for level, c in run.capture.items():
         print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
               f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)

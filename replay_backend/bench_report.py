@@ -87,10 +87,12 @@ def render(report: dict) -> str:
         cap = ", ".join(f"{k}: {v['graphs']} graphs over {v['sizes']} sizes, {v['seconds']:.1f} s, "
                         f"{v['gib']:.2f} GiB" for k, v in (r["capture"] or {}).items())
         est = r.get("memory_estimate_gib")
+        split = r.get("split_warmup_s")
         err = r.get("max_abs_err_vs_eager")
         err32 = r.get("rel_err_vs_fp32")
         what = "trace + compile" if r["mode"] == "reduce-overhead" else "build"
         lines.append(f"- {r['setting']}/{r['mode']}: {what} {r['compile_s']:.1f} s; {cap or 'no graphs'}"
+                     + (f" (after the attention's split warm-up step, {split:.1f} s)" if split is not None else "")
                      + (f"; logits vs eager max|d| {err:.3g}" if err is not None else "")
                      + (f", rel L2 vs the fp32 copy {err32:.3g}" if err32 is not None else "")
                      + ("; DRIFT: beyond the rounding noise" if r.get("drifted") else "")

@@ -38,6 +38,7 @@ class ModeRun:
     compile_s: float = 0.0  # this mode's backend build (the shared trace is reported once)
     capture: dict = field(default_factory=dict)
     memory_estimate_gib: float | None = None
+    split_warmup_s: float | None = None  # capture's step that builds the attention's split variants
     ms: dict = field(default_factory=dict)  # "isl/conc" -> median ms
     # "isl/conc" -> median host time of the trim op per trimming step of the timed runs,
     # without the region it runs (wall time: it holds any wait inside its CUDA calls)

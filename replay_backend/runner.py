@@ -104,6 +104,9 @@ class StepRunner:
         self._learned: direct.DirectEntry | str | None = None
         self._direct: direct.DirectEntry | None = None
         self._fixed: set[int] | None = None
+        # capture()'s step that builds the attention's split variants, seconds (None: no
+        # such step ran: no Triton, the split off, or no context long enough to split)
+        self.split_warmup_s: float | None = None
         # Served steps' metadata goes to one fixed address (step_metadata.py), which the
         # trim op's gather graphs read in place; warm-up batches get fresh memory. Its
         # head holds the count and rows of any replay size (<= the backend's token limit).
@@ -293,5 +296,6 @@ class StepRunner:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.run(self.dummy_batch(rows, context=seq_len - rows), use_graphs=False)
+        self.split_warmup_s = time.perf_counter() - t0
         log.info("dsv41_replay: attention split variants ready (a %d-token context) in %.1f s",
-                 seq_len, time.perf_counter() - t0)
+                 seq_len, self.split_warmup_s)

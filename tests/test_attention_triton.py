@@ -53,7 +53,9 @@ def test_capture_builds_every_split_variant_that_served_steps_launch(monkeypatch
     runner = StepRunner(build_model(cfg, "cpu", torch.float32), max_model_len=320, max_num_seqs=2,
                         backend=ReplayBackend(compiler="eager", max_num_seqs=2, max_cudagraph_capture_size=64))
     assert attention_ops.split_warmup_seq_len(cfg, 320, "cpu") == 256  # 128 entries of the ratio-2 cache
+    assert runner.split_warmup_s is None
     runner.capture()
+    assert runner.split_warmup_s > 0  # the step that built them, in seconds
     assert not any(runner.backend.model.dispatch.values())  # that step is not a served one
     built = {k: set(v) for k, v in launched.items()}
     for v in (*launched.values(), split_cases):

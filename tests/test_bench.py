@@ -96,12 +96,13 @@ def test_render_has_the_table_shape_and_ratios(tmp_path):
                    "error": None},
                   {"mode": "replay", "setting": "default", "compile_s": 2.0,
                    "capture": {"main": {"graphs": 3, "sizes": 1, "seconds": 0.5, "gib": 0.25}},
+                   "split_warmup_s": 1.5,
                    "ms": {"1024/1": 25.0}, "trim_host_us": {"1024/1": 80.0, "8192/8": 300.0},
                    "trim_host_us_by_step": {"8192/8": [70.0, 90.0, 400.0, 900.0]}, "error": None}]}
     text = bench.render(report)
     assert "| ISL/conc | off ms | replay ms | floor ms | replay speed-up vs off | replay / floor |" in text
     assert "| 1024/1 | 100.0 | 25.0 | 20.0 | 4.00x | 1.25 |" in text
-    assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB" in text
+    assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB (after the attention's split warm-up step, 1.5 s)" in text
     assert "trim op host time per trimming step of the timed runs (the op without the region it runs): " \
            "median 80 us (wall time: it holds any wait for the device inside the op's CUDA calls)" in text
     assert "- default/replay: 1024/1: 80 us, 8192/8: 300 us (70 / 90 / 400 / 900 by step)" in text
