@@ -47,7 +47,9 @@ def main() -> None:
     triton.knobs.runtime.jit_post_compile_hook = seen
     t0 = time.perf_counter()
     runner.capture()
-    print(f"capture: {time.perf_counter() - t0:.1f} s, {len(builds)} Triton builds")
+    # capture() starts with the first trace and compile: this is not the graphs' time
+    print(f"compile, warm-up and capture: {time.perf_counter() - t0:.1f} s, {len(builds)} Triton builds"
+          + (f" (the attention's split warm-up step {runner.split_warmup_s:.1f} s)" if runner.split_warmup_s else ""))
     builds.clear()
     for k, (isl, conc) in enumerate(shapes):
         ms = ttft(runner, isl, conc, f"p{k}")  # as the bench times a run: synchronised, then freed
