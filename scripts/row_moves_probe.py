@@ -2,7 +2,7 @@
 the host time per call of each (the kernel through Triton's entry; as RowMoves launches
 it, from its kept build and checks, directly; and the same through Triton's launch path),
 on mini-2k's boundary tensors; then the kept build's launch alone, given its pointers as
-tensors and as addresses.
+tensors and as addresses, and the build's C launcher called directly.
 
 usage: python3 scripts/row_moves_probe.py [--tokens 8192] [--calls 200]
 
@@ -97,6 +97,35 @@ def main() -> None:
             timed.append(host_us(lambda: kept(grid, stream, *call_args), args.calls))
         print(f"{name}: the kept build's launch given tensors {timed[0]:.1f} / {timed[2]:.1f} us, "
               f"given addresses {timed[1]:.1f} / {timed[3]:.1f} us (two rounds; arguments built beforehand)")
+    # Below the kept launch: the build's compiled C launcher called without Triton's Python
+    # wrapper around it (a closure and two scratch checks per call), as a kept launch could
+    # where the build needs no scratch memory. Checked against indexing, then timed.
+    for name, srcs, dsts, scatter in (("gather", rows, bufs, False), ("scatter", res, outs, True)):
+        plan = row_moves.make_plan(srcs, dsts, rows_t, scatter)
+        build = row_moves.launch(rows_t, srcs, dsts, scatter, plan)
+        run = build.run
+        c_launch = getattr(run, "launch", None)
+        if c_launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            print(f"{name}: this Triton's build has no scratch-free C launcher to call directly")
+            continue
+        stream = kernel._stream(plan.device)
+        grid, raw = row_moves.arguments(plan, rows_t, srcs, dsts, raw=True)
+        head = (run.launch_cooperative_grid, run.launch_pdl, None, None, build.packed_metadata, None, None, None)
+
+        def c_call(grid=grid, raw=raw, head=head, c_launch=c_launch, function=build.function, stream=stream):
+            c_launch(grid[0], grid[1], grid[2], stream, function, *head, *raw)
+        for d in dsts:
+            d.zero_()
+        c_call()
+        torch.cuda.synchronize()
+        if scatter:
+            assert torch.equal(outs[0], want)
+        else:
+            assert all(torch.equal(b[:128], x[rows_t]) for x, b in zip(rows, bufs))
+        kept = kernel._launchers[plan.key]
+        timed = [host_us(fn, args.calls) for fn in (lambda: kept(grid, stream, *raw), c_call) * 2]
+        print(f"{name}: the C launcher called directly (== indexing) {timed[1]:.1f} / {timed[3]:.1f} us, "
+              f"the kept launch {timed[0]:.1f} / {timed[2]:.1f} us (given addresses; two rounds)")
 
 
 if __name__ == "__main__":
