@@ -168,25 +168,26 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
     for rep in reps.values():
         rep.host_us.clear()  # the trimming steps of the timed runs only
     times: dict[int, list[float]] = {id(m): [] for m in modes}
-    by_step: dict[int, list[list[float]]] = {key: [] for key in reps}  # each run's trims, in order
+    trims: dict[int, list[list[float]]] = {key: [] for key in reps}  # each timed run's, in order
     with GcWatch() as gcw:
         for k in range(args.runs):
             for m in modes:
                 before = counters.state()  # outside ttft's timed span
-                trims = len(reps[id(m)].host_us) if id(m) in reps else 0
                 times[id(m)].append(m.ttft(isl, conc, f"m{k}"))
                 _add_events(m.run.events.setdefault(point, {}), counters.moved_since(before))
-                if id(m) in reps:
-                    by_step[id(m)].append(list(reps[id(m)].host_us)[trims:])
+                rep = reps.get(id(m))
+                if rep is not None:
+                    trims[id(m)].append(list(rep.host_us))
+                    rep.host_us.clear()
     for m in modes:
         m.run.ms[point] = statistics.median(times[id(m)])
         if not m.run.events[point]:
             del m.run.events[point]
-        rep = reps.get(id(m))
-        if rep is not None and rep.host_us:
-            trim_host_us.extend(rep.host_us)
-            m.run.trim_host_us[point] = statistics.median(rep.host_us)
-            steps = trims_by_step(by_step[id(m)])
+        every = [us for run in trims.get(id(m), ()) for us in run]
+        if every:
+            trim_host_us.extend(every)
+            m.run.trim_host_us[point] = statistics.median(every)
+            steps = trims_by_step(trims[id(m)])
             if len(steps) > 1:
                 m.run.trim_host_us_by_step[point] = steps
         if args.profile_out and point in args.profile_points:
