@@ -86,47 +86,44 @@ def main() -> None:
               f"RowMoves {c:.1f} us (its kept build through Triton's launch path {d:.1f} us) "
               f"per call (host, median of {args.calls})")
     # The kept build's direct launch alone, given the 13 pointers as tensors (Triton's
-    # launcher calls data_ptr() and asks the driver about each) or as addresses.
+    # launcher calls data_ptr() and asks the driver about each) or as addresses; then the
+    # build's compiled C launcher called without Triton's Python wrapper around it (a
+    # closure and two scratch checks per call), as a kept launch could where the build
+    # needs no scratch memory, checked against indexing first.
     for name, srcs, dsts, scatter in (("gather", rows, bufs, False), ("scatter", res, outs, True)):
         plan = row_moves.make_plan(srcs, dsts, rows_t, scatter)
         kept = kernel._launchers[plan.key]
         stream = kernel._stream(plan.device)
-        timed = []
-        for raw in (False, True, False, True):
+        calls = {}
+        for raw in (False, True):
             grid, call_args = row_moves.arguments(plan, rows_t, srcs, dsts, raw=raw)
-            timed.append(host_us(lambda: kept(grid, stream, *call_args), args.calls))
-        print(f"{name}: the kept build's launch given tensors {timed[0]:.1f} / {timed[2]:.1f} us, "
-              f"given addresses {timed[1]:.1f} / {timed[3]:.1f} us (two rounds; arguments built beforehand)")
-    # Below the kept launch: the build's compiled C launcher called without Triton's Python
-    # wrapper around it (a closure and two scratch checks per call), as a kept launch could
-    # where the build needs no scratch memory. Checked against indexing, then timed.
-    for name, srcs, dsts, scatter in (("gather", rows, bufs, False), ("scatter", res, outs, True)):
-        plan = row_moves.make_plan(srcs, dsts, rows_t, scatter)
+            calls[raw] = lambda grid=grid, call_args=call_args: kept(grid, stream, *call_args)
         build = row_moves.launch(rows_t, srcs, dsts, scatter, plan)
         run = build.run
         c_launch = getattr(run, "launch", None)
-        if c_launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-            print(f"{name}: this Triton's build has no scratch-free C launcher to call directly")
-            continue
-        stream = kernel._stream(plan.device)
-        grid, raw = row_moves.arguments(plan, rows_t, srcs, dsts, raw=True)
-        head = (run.launch_cooperative_grid, run.launch_pdl, None, None, build.packed_metadata, None, None, None)
-
-        def c_call(grid=grid, raw=raw, head=head, c_launch=c_launch, function=build.function, stream=stream):
-            c_launch(grid[0], grid[1], grid[2], stream, function, *head, *raw)
-        for d in dsts:
-            d.zero_()
-        c_call()
-        torch.cuda.synchronize()
-        if scatter:
-            assert torch.equal(outs[0], want)
+        if c_launch is not None and not getattr(run, "global_scratch_size", 1) \
+                and not getattr(run, "profile_scratch_size", 1):
+            # grid and call_args: the addresses (the loop's last)
+            head = (run.launch_cooperative_grid, run.launch_pdl, None, None, build.packed_metadata,
+                    None, None, None)
+            calls["c"] = lambda grid=grid, call_args=call_args: c_launch(
+                grid[0], grid[1], grid[2], stream, build.function, *head, *call_args)
+            for d in dsts:
+                d.zero_()
+            calls["c"]()
+            torch.cuda.synchronize()
+            if scatter:
+                assert torch.equal(outs[0], want)
+            else:
+                assert all(torch.equal(b[:128], x[rows_t]) for x, b in zip(rows, bufs))
+        rounds = [{k: host_us(fn, args.calls) for k, fn in calls.items()} for _ in range(2)]
+        line = (f"{name}: the kept build's launch given tensors {rounds[0][False]:.1f} / {rounds[1][False]:.1f} us, "
+                f"given addresses {rounds[0][True]:.1f} / {rounds[1][True]:.1f} us")
+        if "c" in calls:
+            line += f", its C launcher called directly (== indexing) {rounds[0]['c']:.1f} / {rounds[1]['c']:.1f} us"
         else:
-            assert all(torch.equal(b[:128], x[rows_t]) for x, b in zip(rows, bufs))
-        kept = kernel._launchers[plan.key]
-        timed = [host_us(fn, args.calls) for fn in (lambda: kept(grid, stream, *raw), c_call) * 2]
-        print(f"{name}: the C launcher called directly (== indexing) {timed[1]:.1f} / {timed[3]:.1f} us, "
-              f"the kept launch {timed[0]:.1f} / {timed[2]:.1f} us (given addresses; two rounds)")
-
+            line += "; this Triton's build has no scratch-free C launcher to call directly"
+        print(line + " (two rounds; arguments built beforehand)")
 
 if __name__ == "__main__":
     main()
