@@ -2,7 +2,8 @@
 the host time per call of each (the kernel through Triton's entry; as RowMoves launches
 it, from its kept build and checks, directly; and the same through Triton's launch path),
 on mini-2k's boundary tensors; then the kept build's launch alone, given its pointers as
-tensors and as addresses, and the build's C launcher called directly.
+tensors and as addresses, against the build's launcher through its Python call and its
+C entry called directly.
 
 usage: python3 scripts/row_moves_probe.py [--tokens 8192] [--calls 200]
 
@@ -18,6 +19,8 @@ import time
 
 import torch
 
+from replay_backend.models import _triton
+from replay_backend.models._triton import triton
 from replay_backend.runtime import row_moves
 
 
@@ -85,11 +88,12 @@ def main() -> None:
         print(f"{name}: PyTorch ops {a:.1f} us, one launch through Triton's entry {b:.1f} us, "
               f"RowMoves {c:.1f} us (its kept build through Triton's launch path {d:.1f} us) "
               f"per call (host, median of {args.calls})")
-    # The kept build's direct launch alone, given the 13 pointers as tensors (Triton's
-    # launcher calls data_ptr() and asks the driver about each) or as addresses; then the
-    # build's compiled C launcher called without Triton's Python wrapper around it (a
-    # closure and two scratch checks per call), as a kept launch could where the build
-    # needs no scratch memory, checked against indexing first.
+    # The kept build's launch alone, given the 13 pointers as tensors (Triton's launcher
+    # calls data_ptr() and asks the driver about each) or as addresses; then, given
+    # addresses, the build's launcher through its Python call (``CudaLauncher.__call__``:
+    # a closure and two scratch checks per call) and its C entry called directly, each
+    # checked against indexing first. The kept launch calls the C entry where
+    # ``_triton._c_entry`` allows it, else the Python call.
     for name, srcs, dsts, scatter in (("gather", rows, bufs, False), ("scatter", res, outs, True)):
         plan = row_moves.make_plan(srcs, dsts, rows_t, scatter)
         kept = kernel._launchers[plan.key]
@@ -99,31 +103,35 @@ def main() -> None:
             grid, call_args = row_moves.arguments(plan, rows_t, srcs, dsts, raw=raw)
             calls[raw] = lambda grid=grid, call_args=call_args: kept(grid, stream, *call_args)
         build = row_moves.launch(rows_t, srcs, dsts, scatter, plan)
-        run = build.run
-        c_launch = getattr(run, "launch", None)
-        if c_launch is not None and not getattr(run, "global_scratch_size", 1) \
-                and not getattr(run, "profile_scratch_size", 1):
-            # grid and call_args: the addresses (the loop's last)
-            head = (run.launch_cooperative_grid, run.launch_pdl, None, None, build.packed_metadata,
-                    None, None, None)
+        run, meta = build.run, build.packed_metadata
+        # grid and call_args: the addresses (the loop's last)
+        calls["py"] = lambda grid=grid, call_args=call_args: run(
+            grid[0], grid[1], grid[2], stream, build.function, meta, None, None, None, *call_args)
+        entry = _triton._c_entry(run)
+        if entry is not None:
+            c_launch, flags = entry
             calls["c"] = lambda grid=grid, call_args=call_args: c_launch(
-                grid[0], grid[1], grid[2], stream, build.function, *head, *call_args)
+                grid[0], grid[1], grid[2], stream, build.function, *flags, meta, None, None, None, *call_args)
+        for key in ("py", "c") if entry is not None else ("py",):
             for d in dsts:
                 d.zero_()
-            calls["c"]()
+            calls[key]()
             torch.cuda.synchronize()
             if scatter:
-                assert torch.equal(outs[0], want)
+                assert torch.equal(outs[0], want), key
             else:
-                assert all(torch.equal(b[:128], x[rows_t]) for x, b in zip(rows, bufs))
+                assert all(torch.equal(b[:128], x[rows_t]) for x, b in zip(rows, bufs)), key
         rounds = [{k: host_us(fn, args.calls) for k, fn in calls.items()} for _ in range(2)]
-        line = (f"{name}: the kept build's launch given tensors {rounds[0][False]:.1f} / {rounds[1][False]:.1f} us, "
-                f"given addresses {rounds[0][True]:.1f} / {rounds[1][True]:.1f} us")
-        if "c" in calls:
-            line += f", its C launcher called directly (== indexing) {rounds[0]['c']:.1f} / {rounds[1]['c']:.1f} us"
-        else:
-            line += "; this Triton's build has no scratch-free C launcher to call directly"
-        print(line + " (two rounds; arguments built beforehand)")
+
+        def both(k):
+            return f"{rounds[0][k]:.1f} / {rounds[1][k]:.1f} us"
+        line = (f"{name}: the kept launch ({'C entry' if entry is not None else 'Python call'}) "
+                f"given tensors {both(False)}, given addresses {both(True)}; "
+                f"given addresses, the launcher's Python call {both('py')}")
+        line += f", its C entry {both('c')}" if entry is not None else \
+            f", no C entry called directly (Triton {triton.__version__}, or a build with scratch memory)"
+        print(line + " (each == indexing; two rounds; arguments built beforehand)")
+
 
 if __name__ == "__main__":
     main()

@@ -200,3 +200,42 @@ def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registere
         hooks.remove(hook)
     assert calls[-1] == ("triton", (3, 2, 1), 77, ("a", 5))
     assert direct_launcher(object()) is None  # a build without the launcher's parts
+
+
+@needs_triton
+def test_direct_launch_calls_the_c_entry_of_a_known_scratch_free_launcher(monkeypatch):
+    """Where this Triton's C entry layout is known and the build needs no scratch memory,
+    the direct launch calls the C entry with the flags in Triton 3.6's order; a build
+    that needs scratch, or another Triton version, keeps the launcher's Python call."""
+    from replay_backend.models import _triton
+
+    calls = []
+
+    class Launcher:  # a compiled launcher: its Python call and its C entry
+        launch_cooperative_grid, launch_pdl = False, True
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, *args):
+            calls.append(("python", args))
+
+        def launch(self, *args):
+            calls.append(("c", args))
+
+    class Build:
+        function, packed_metadata = "fn", "meta"
+
+        def __init__(self, scratch: int = 0) -> None:
+            self.run = Launcher()
+            self.run.global_scratch_size = scratch
+
+        def __getitem__(self, grid):
+            return lambda *args, stream=None: calls.append(("triton", grid, stream, args))
+
+    monkeypatch.setattr(_triton.triton, "__version__", "3.6.0")
+    _triton.direct_launcher(Build())((3, 2, 1), 77, "a", 5)
+    assert calls.pop() == ("c", (3, 2, 1, 77, "fn", False, True, None, None, "meta", None, None, None, "a", 5))
+    _triton.direct_launcher(Build(scratch=64))((3, 2, 1), 77, "a", 5)
+    assert calls.pop() == ("python", (3, 2, 1, 77, "fn", "meta", None, None, None, "a", 5))
+    monkeypatch.setattr(_triton.triton, "__version__", "3.7.0")
+    _triton.direct_launcher(Build())((3, 2, 1), 77, "a", 5)
+    assert calls.pop() == ("python", (3, 2, 1, 77, "fn", "meta", None, None, None, "a", 5))

@@ -41,7 +41,8 @@ def direct_launcher(build) -> Callable | None:
     ``build[grid](*args)`` asks torch for the current device and stream, builds a
     launch-metadata dict, and hands the launcher the two launch-hook chains, which it
     calls around the launch even when they are empty: host time on every launch. The
-    direct call gives the stream and no hooks. While a launch hook is registered (a
+    direct call gives the stream and no hooks, to the launcher's C entry itself where
+    :func:`_c_entry` allows. While a launch hook is registered (a
     profiler such as Proton) every launch goes through Triton's path, so the hook sees it.
     """
     launcher = getattr(build, "run", None)  # the compiled launcher (its handles are loaded)
@@ -49,14 +50,41 @@ def direct_launcher(build) -> Callable | None:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if launcher is None or function is None or meta is None or runtime is None:
         return None
+    c_launch, flags = _c_entry(launcher) or (None, ())
 
     def launch(grid, stream, *args) -> None:
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         if _hooked(enter) or _hooked(leave):
             build[grid](*args, stream=stream)
+        elif c_launch is not None:
+            c_launch(grid[0], grid[1], grid[2], stream, function, *flags, meta, None, None, None, *args)
         else:
             launcher(grid[0], grid[1], grid[2], stream, function, meta, None, None, None, *args)
     return launch
+
+
+# Triton versions whose compiled launcher's C entry (``launcher.launch``) takes the grid,
+# stream and function, then the cooperative-grid and PDL flags and the global and profile
+# scratch buffers, then the build's packed metadata, the launch metadata and the two hook
+# chains, then the kernel's arguments (triton/backends/nvidia/driver.py, ``make_launcher``).
+C_LAUNCH_VERSIONS = ("3.6.",)
+
+
+def _c_entry(launcher) -> tuple[Callable, tuple] | None:
+    """The compiled launcher's C entry and the flags it takes before the metadata, where
+    this Triton's layout is known and the build needs no scratch memory. The Python call
+    around it (``CudaLauncher.__call__``) builds a closure and checks both scratch sizes
+    on every launch, to allocate what such a build needs; without any, it only forwards."""
+    if triton is None or not str(getattr(triton, "__version__", "")).startswith(C_LAUNCH_VERSIONS):
+        return None
+    c_launch = getattr(launcher, "launch", None)
+    if not callable(c_launch) or getattr(launcher, "global_scratch_size", 1) \
+            or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    coop, pdl = getattr(launcher, "launch_cooperative_grid", None), getattr(launcher, "launch_pdl", None)
+    if coop is None or pdl is None:
+        return None
+    return c_launch, (coop, pdl, None, None)
 
 
 def _hooked(hook) -> bool:
