@@ -42,8 +42,8 @@ def direct_launcher(build) -> Callable | None:
     launch-metadata dict, and hands the launcher the two launch-hook chains, which it
     calls around the launch even when they are empty: host time on every launch. The
     direct call gives the stream and no hooks, to the launcher's C entry itself where
-    :func:`_c_entry` allows. While a launch hook is registered (a
-    profiler such as Proton) every launch goes through Triton's path, so the hook sees it.
+    :func:`_c_entry` allows. While a launch hook is registered (a profiler such as
+    Proton) every launch goes through Triton's path, so the hook sees it.
     """
     launcher = getattr(build, "run", None)  # the compiled launcher (its handles are loaded)
     function, meta = getattr(build, "function", None), getattr(build, "packed_metadata", None)
