@@ -2,8 +2,8 @@
 the host time per call of each (the kernel through Triton's entry; as RowMoves launches
 it, from its kept build and checks, directly; and the same through Triton's launch path),
 on mini-2k's boundary tensors; then the kept build's launch alone, given its pointers as
-tensors and as addresses, against the build's launcher through its Python call and its
-C entry called directly.
+tensors and as addresses, against the same launch through the launcher's Python call
+instead of its C entry.
 
 usage: python3 scripts/row_moves_probe.py [--tokens 8192] [--calls 200]
 
@@ -90,29 +90,26 @@ def main() -> None:
               f"per call (host, median of {args.calls})")
     # The kept build's launch alone, given the 13 pointers as tensors (Triton's launcher
     # calls data_ptr() and asks the driver about each) or as addresses; then, given
-    # addresses, the build's launcher through its Python call (``CudaLauncher.__call__``:
-    # a closure and two scratch checks per call) and its C entry called directly, each
-    # checked against indexing first. The kept launch calls the C entry where
-    # ``_triton._c_entry`` allows it, else the Python call.
+    # addresses, the same build kept with no C entry allowed (C_LAUNCH_VERSIONS empty), so
+    # that it goes through the launcher's Python call (``CudaLauncher.__call__``: a
+    # closure and two scratch checks per call). Both address launches are checked against
+    # indexing first.
     for name, srcs, dsts, scatter in (("gather", rows, bufs, False), ("scatter", res, outs, True)):
         plan = row_moves.make_plan(srcs, dsts, rows_t, scatter)
-        kept = kernel._launchers[plan.key]
         stream = kernel._stream(plan.device)
-        calls = {}
-        for raw in (False, True):
-            grid, call_args = row_moves.arguments(plan, rows_t, srcs, dsts, raw=raw)
-            calls[raw] = lambda grid=grid, call_args=call_args: kept(grid, stream, *call_args)
         build = row_moves.launch(rows_t, srcs, dsts, scatter, plan)
-        run, meta = build.run, build.packed_metadata
-        # grid and call_args: the addresses (the loop's last)
-        calls["py"] = lambda grid=grid, call_args=call_args: run(
-            grid[0], grid[1], grid[2], stream, build.function, meta, None, None, None, *call_args)
-        entry = _triton._c_entry(run)
-        if entry is not None:
-            c_launch, flags = entry
-            calls["c"] = lambda grid=grid, call_args=call_args: c_launch(
-                grid[0], grid[1], grid[2], stream, build.function, *flags, meta, None, None, None, *call_args)
-        for key in ("py", "c") if entry is not None else ("py",):
+        c_entry = _triton._c_entry(build.run) is not None
+        versions, _triton.C_LAUNCH_VERSIONS = _triton.C_LAUNCH_VERSIONS, ()
+        try:
+            via_python = _triton.kept_launch(build)
+        finally:
+            _triton.C_LAUNCH_VERSIONS = versions
+        calls = {}
+        kept = kernel._launchers[plan.key]
+        for key, fn, raw in (("tensors", kept, False), ("addresses", kept, True), ("python", via_python, True)):
+            grid, call_args = row_moves.arguments(plan, rows_t, srcs, dsts, raw=raw)
+            calls[key] = lambda fn=fn, grid=grid, call_args=call_args: fn(grid, stream, *call_args)
+        for key in ("addresses", "python"):
             for d in dsts:
                 d.zero_()
             calls[key]()
@@ -125,12 +122,10 @@ def main() -> None:
 
         def both(k):
             return f"{rounds[0][k]:.1f} / {rounds[1][k]:.1f} us"
-        line = (f"{name}: the kept launch ({'C entry' if entry is not None else 'Python call'}) "
-                f"given tensors {both(False)}, given addresses {both(True)}; "
-                f"given addresses, the launcher's Python call {both('py')}")
-        line += f", its C entry {both('c')}" if entry is not None else \
-            f", no C entry called directly (Triton {triton.__version__}, or a build with scratch memory)"
-        print(line + " (each == indexing; two rounds; arguments built beforehand)")
+        how = "C entry" if c_entry else f"Python call: no C entry on Triton {triton.__version__} or for this build"
+        print(f"{name}: the kept launch ({how}) given tensors {both('tensors')}, given addresses "
+              f"{both('addresses')}; through the launcher's Python call, given addresses {both('python')} "
+              f"(== indexing; two rounds; arguments built beforehand)")
 
 
 if __name__ == "__main__":
