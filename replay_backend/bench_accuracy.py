@@ -1,21 +1,17 @@
 """The benchmark's accuracy gate: every mode's logits against an fp32 yardstick.
 
 A mode's last-row logits for one prompt are compared with those of an fp32 copy of
-the model (the same weights, upcast), by relative L2 distance. What distance still
-means "right" depends on the model's depth: mini-2k's 40 layers of top-k MoE routing
-amplify rounding (a routing choice that flips moves the rows after it), so on the
-H200 at 4,096 tokens the plain bf16 model was 0.04 from its fp32 copy, a correct
-compiled one 0.21, and the fp32 copy with only its embedding nudged by a quarter
-of a bf16 step 0.11 (``scripts/accuracy_probe.py``; the compiled fp32 model is 2e-4
-from the plain fp32 one). One prompt's distance is one draw from that spread.
+the model (the same weights, upcast), by relative L2 distance. The reference model is
+initialised to be well-conditioned (docs/design.md): in bf16 its logits stay within
+about 0.01 of the fp32 copy's, and a rounding step at the input moves them about as
+far, so a 16-bit mode that reads a wrong layout or wrong rows stands out.
 
-So the gate measures the spread on the same prompt: the rounding-noise band is the
+The gate measures that spread on the same prompt: the rounding-noise band is the
 larger of the plain model's distance and that of fp32 copies whose embedding is
 nudged by half a step of the model's dtype (two seeds). A mode is flagged when it is
-``DRIFT_FACTOR`` times further than the band (plus ``REL_FLOOR``). That catches a
-piece that reads a wrong layout or wrong rows, which decorrelates the logits; it
-cannot see an error smaller than the model's own rounding noise, which the fp32
-tests (``tests/test_gpu.py``) bound instead.
+more than ``DRIFT_FACTOR`` times the band (plus ``REL_FLOOR``) away. It cannot see an
+error smaller than the model's own rounding noise, which the fp32 tests
+(``tests/test_gpu.py``, ``scripts/soak.py``) bound instead.
 """
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ import torch
 from .compare import rel_l2
 from .runner import StepRunner
 
-DRIFT_FACTOR = 3.0
+DRIFT_FACTOR = 1.5
 # Below this relative distance logits agree in any dtype (fp32 reassociation at depth).
 REL_FLOOR = 1e-3
 NUDGE_SEEDS = (0, 1)

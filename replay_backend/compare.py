@@ -17,6 +17,12 @@ def replay_kv_slots(batch: StepBatch) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int64)
 
 
+def kept_kv(caches: KVCaches, batch: StepBatch) -> torch.Tensor:
+    """The replay layers' SWA KV of the batch's kept rows, stacked, in fp32."""
+    slots = replay_kv_slots(batch).to(caches.swa[0].device)
+    return torch.stack([caches.swa[layer].index_select(0, slots).float() for layer in caches.cfg.replay_layers])
+
+
 def max_abs_err_kv(a: KVCaches, b: KVCaches, batch: StepBatch) -> float:
     """Largest difference of the SWA KV the replay layers wrote for kept rows."""
     slots = replay_kv_slots(batch)
@@ -36,6 +42,18 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want||, in fp32."""
     want = want.float()
     return ((got.float() - want).norm() / want.norm()).item()
+
+
+# 16-bit comparisons: the reference model's rounding-noise band in bf16 (relative L2 of
+# last-row logits, SPEC §2; tests/test_bench_accuracy.py holds the model to it) and how
+# many bands away a result may land before it counts as an error.
+BF16_BAND = 0.02
+BAND_FACTOR = 1.5
+
+
+def within_band(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A 16-bit result agrees: relative L2 at most ``BAND_FACTOR * BF16_BAND``."""
+    return rel_l2(got, want) <= BAND_FACTOR * BF16_BAND
 
 
 def default_tolerance(dtype: torch.dtype) -> float:

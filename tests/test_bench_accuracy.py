@@ -64,3 +64,13 @@ def test_the_report_warns_about_a_drifting_mode():
     assert "rel L2 vs the fp32 copy 0.9; DRIFT" in text
     assert "1024-token prompt, relative L2 to the model's fp32 copy: plain model 0.04, " \
            "fp32 copies nudged by one rounding 0.11; a mode drifts above 0.331" in text
+
+
+def test_the_reference_model_is_well_conditioned_in_bf16():
+    """SPEC §2: in bf16 the 40-layer model stays within 0.02 relative L2 of its fp32
+    copy, and fp32 copies nudged by half a bf16 step stay as close, so a 16-bit check
+    can see a real error (the bench's gate is 1.5 times this band)."""
+    torch.set_num_threads(1)
+    model = build_model(preset("tiny"), "cpu", torch.bfloat16)
+    gate = yardstick(model, last_logits(model, 256, 16384), 256, 16384)
+    assert gate.plain_err <= 0.02 and gate.noise_err <= 0.02, gate

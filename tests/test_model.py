@@ -19,7 +19,9 @@ from replay_backend.models.layers import (
     apply_rope,
     hc_collapse,
     hc_merge,
+    mm_fp32,
     rope_angles,
+    route,
     sinkhorn,
 )
 
@@ -192,11 +194,13 @@ def _naive_moe(moe, x):
     for t in range(x.shape[0]):
         v = x[t].double()
         scores = torch.softmax(moe.router.double() @ v, -1)
-        order = sorted(range(scores.numel()), key=lambda e: -scores[e].item())[: moe.top_k]
-        total = sum(scores[e] for e in order)
+        ranked = sorted(range(scores.numel()), key=lambda e: -scores[e].item())
+        order, first_out = ranked[: moe.top_k], scores[ranked[moe.top_k]]
+        # each chosen expert weighs by its lead over the best expert left out
+        total = sum(scores[e] - first_out for e in order)
         acc = swiglu(v, moe.s_gate_up, moe.s_down)
         for e in order:
-            acc = acc + scores[e] / total * swiglu(v, moe.w_gate_up[e], moe.w_down[e])
+            acc = acc + (scores[e] - first_out) / total * swiglu(v, moe.w_gate_up[e], moe.w_down[e])
         out[t] = acc
     return out
 
@@ -210,14 +214,54 @@ def test_moe_matches_naive_per_token_loop(model):
         torch.testing.assert_close(got.double(), _naive_moe(moe, x), atol=1e-4, rtol=1e-4)
 
 
+def _routing_boundary(moe: MoE, seed: int) -> torch.Tensor:
+    """Two fp32 rows a rounding step apart that the router sends to different experts."""
+    gen = _gen(seed)
+    width = moe.router.shape[1]
+
+    def chosen(x):
+        return frozenset(torch.softmax(mm_fp32(x[None], moe.router), -1).topk(moe.top_k)[1][0].tolist())
+
+    a, b = torch.randn(width, generator=gen), torch.randn(width, generator=gen)
+    while chosen(a) == chosen(b):
+        b = torch.randn(width, generator=gen)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisect the segment a..b down to the switch
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chosen(a + mid * (b - a)) == chosen(a) else (lo, mid)
+    x = torch.stack([a + lo * (b - a), a + hi * (b - a)])
+    assert chosen(x[0]) != chosen(x[1])
+    return x[:, None]  # one row per call: a GEMM's rounding depends on its rows
+
+
+def test_moe_is_continuous_where_the_routing_changes():
+    """Rows on the boundary where the k-th and the next expert trade places: a rounding
+    step apart, their outputs must be about that close, not an expert's share apart
+    (the eager oracle and a compiled step round differently)."""
+    moe = MoE(32, 4, 2, 16, 16, _gen(23), impl="dense")
+    for seed in (24, 25, 26):
+        x = _routing_boundary(moe, seed)
+        with torch.no_grad():
+            out = torch.cat([moe(x[0]), moe(x[1])])
+        assert (out[0] - out[1]).abs().max() < 1e-4 * out.abs().max()
+
+
+def test_routing_weights_are_each_experts_lead_over_the_first_left_out():
+    scores = torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.25, 0.25, 0.25, 0.25]])
+    w, i = route(scores, 2)
+    assert i[0].tolist() == [1, 3]
+    torch.testing.assert_close(w[0], torch.tensor([0.35, 0.10]) / 0.45)
+    assert w[1].tolist() == [0.0, 0.0]  # a four-way tie: no expert leads
+    w, i = route(scores, 4)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2))
+
+
 def test_grouped_moe_op_matches_the_naive_loop():
     """``dsv41::moe_grouped`` (sort by expert, grouped GEMMs, unsort) on CPU bf16, where
     this torch's ``_grouped_mm`` runs; the model uses it on CUDA only."""
     moe = MoE(64, 4, 2, 32, 32, _gen(21), impl="dense").to(torch.bfloat16)
     x = torch.randn(50, 64, generator=_gen(22)).to(torch.bfloat16)
-    scores = torch.softmax(x.float() @ moe.router.float().t(), dim=-1)
-    top_w, top_i = torch.topk(scores, 2, dim=-1)
-    top_w = top_w / top_w.sum(-1, keepdim=True)
+    top_w, top_i = route(torch.softmax(x.float() @ moe.router.float().t(), dim=-1), 2)
     try:
         routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, moe.w_gate_up, moe.w_down, moe.expert_ids, False)
     except (RuntimeError, NotImplementedError) as e:  # a torch without CPU grouped GEMMs

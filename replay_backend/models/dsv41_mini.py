@@ -13,7 +13,8 @@ from torch import nn
 from ..boundary import replay_begin, replay_end
 from . import attention_ops  # noqa: F401  (registers the dsv41:: ops)
 from .config import ModelConfig
-from .layers import MoE, HyperConnection, RMSNorm, _param, apply_rope, hc_collapse, hc_merge, rope_angles
+from .layers import (MoE, HyperConnection, RMSNorm, _param, apply_rope, branch_std, hc_collapse, hc_merge,
+                     rope_angles)
 
 
 class Attention(nn.Module):
@@ -32,7 +33,7 @@ class Attention(nn.Module):
         per_group = nh // cfg.o_groups * hd
         self.wo_a = _param(gen, cfg.o_groups, per_group, cfg.o_lora_rank, std=per_group ** -0.5)
         self.wo_b = _param(gen, h, cfg.o_groups * cfg.o_lora_rank,
-                           std=(cfg.o_groups * cfg.o_lora_rank) ** -0.5)
+                           std=branch_std(cfg.num_layers) * (cfg.o_groups * cfg.o_lora_rank) ** -0.5)
         if self.kind == "source":
             self.ratio = cfg.compress_ratio(layer)
             self.wc_kv = _param(gen, hd, h, std=h ** -0.5)
@@ -65,7 +66,8 @@ class FFN(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.moe = MoE(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size,
-                       cfg.shared_intermediate_size, gen, cfg.moe_impl, cfg.moe_permute_impl)
+                       cfg.shared_intermediate_size, gen, cfg.moe_impl, cfg.moe_permute_impl,
+                       out_std=branch_std(cfg.num_layers))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.moe(self.norm(u))

@@ -84,6 +84,18 @@ def mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.float().t()
 
 
+# Init of the mHC mixes (HyperConnection): the projection's scale, relative to one
+# that gives mixes of order one per token, and the lead of ``comb``'s diagonal logits.
+MIX_PROJECTION_STD = 0.1
+COMB_DIAGONAL = 3.0
+
+
+def branch_std(num_layers: int) -> float:
+    """The init scale of a sublayer's output projection: each of the ``2 * num_layers``
+    sublayers adds its output to the stream, so the sum stays of the embedding's order."""
+    return (2 * num_layers) ** -0.5
+
+
 class HyperConnection(nn.Module):
     """mHC mixing for one sublayer: from the flattened stream, ``pre``, ``post``, ``comb``.
 
@@ -96,8 +108,15 @@ class HyperConnection(nn.Module):
         self.hc, self.eps, self.hc_eps, self.iters = hc, eps, hc_eps, iters
         self.sinkhorn_impl = sinkhorn_impl
         n = 2 * hc + hc * hc
-        self.weight = _param(gen, n, hc * hidden, std=(hc * hidden) ** -0.5)
-        self.bias = _param(gen, n, std=0.5)
+        # Near identity at init, as a trained model's mixing starts: each stream mostly
+        # keeps itself (``comb`` logits lead on the diagonal) and the mixes vary little
+        # from token to token (a small projection). With mixes of order one per token
+        # the stream is chaotic over 80 sublayers: a rounding step at the embedding
+        # moves the last logits by tens of percent (docs/design.md).
+        self.weight = _param(gen, n, hc * hidden, std=MIX_PROJECTION_STD * (hc * hidden) ** -0.5)
+        bias = torch.randn(n, generator=gen) * 0.5
+        bias[2 * hc:] += COMB_DIAGONAL * torch.eye(hc).flatten()
+        self.bias = nn.Parameter(bias, requires_grad=False)
 
     def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, hc = stream.shape[0], self.hc
@@ -134,6 +153,26 @@ def hc_collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre[..., None] * stream.float()).sum(1).to(stream.dtype)
 
 
+def route(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k experts of each row and their weights, continuous in ``scores``.
+
+    An expert's weight is its score's lead over the best expert left out, normalised
+    over the chosen ones: an expert enters or leaves the top k with weight zero. With
+    the usual normalised top-k scores a near-tie between the k-th and the next expert
+    is a jump, which a rounding difference (another GEMM tiling, a fused reduction, a
+    padded batch) can take in one run and not in another; then one row's output moves
+    by a whole expert's share, and every test of a compiled or trimmed step against
+    the eager oracle would see that as an error. Continuous weights turn the same
+    rounding difference into an output difference of its own size (docs/design.md).
+    """
+    if k == scores.shape[-1]:  # every expert chosen: nothing is left out
+        return scores / scores.sum(-1, keepdim=True), torch.arange(k, device=scores.device).expand_as(scores)
+    vals, idx = torch.topk(scores, k + 1, dim=-1)
+    lead = vals[:, :k] - vals[:, k:]
+    # All k + 1 scores equal (measure zero): no chosen expert leads, the weights are 0.
+    return lead / lead.sum(-1, keepdim=True).clamp_min(torch.finfo(lead.dtype).tiny), idx[:, :k]
+
+
 class MoE(nn.Module):
     """Routed top-k experts plus one shared expert, SwiGLU.
 
@@ -144,14 +183,15 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden: int, n_exp: int, top_k: int, inter: int, shared: int,
-                 gen: torch.Generator, impl: str = "auto", permute_impl: str = "auto") -> None:
+                 gen: torch.Generator, impl: str = "auto", permute_impl: str = "auto",
+                 out_std: float = 1.0) -> None:
         super().__init__()
         self.top_k, self.impl, self.permute_impl = top_k, impl, permute_impl
         self.router = _param(gen, n_exp, hidden, std=hidden ** -0.5)
         self.w_gate_up = _param(gen, n_exp, 2 * inter, hidden, std=hidden ** -0.5)
-        self.w_down = _param(gen, n_exp, hidden, inter, std=inter ** -0.5)
+        self.w_down = _param(gen, n_exp, hidden, inter, std=out_std * inter ** -0.5)
         self.s_gate_up = _param(gen, 2 * shared, hidden, std=hidden ** -0.5)
-        self.s_down = _param(gen, hidden, shared, std=shared ** -0.5)
+        self.s_down = _param(gen, hidden, shared, std=out_std * shared ** -0.5)
         # 0..E-1: the grouped path finds each expert's end in the sorted pairs (not state).
         self.register_buffer("expert_ids", torch.arange(n_exp), persistent=False)
 
@@ -176,8 +216,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = torch.softmax(mm_fp32(x, self.router), dim=-1)
-        top_w, top_i = torch.topk(scores, self.top_k, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w, top_i = route(scores, self.top_k)
         if self._use_grouped(x):
             routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, self.w_gate_up, self.w_down, self.expert_ids,
                                                  self._use_kernels())
