@@ -1,0 +1,268 @@
+"""A serving soak: one compiled, serving runner against the eager oracle, step by step.
+
+Random mixed traffic (decodes, speculative decodes, first prefills, chunks after
+cached context, keep-all prefills, prefills with a later floor) drives a runner as a
+server would: requests arrive, are prefilled in chunks, decode, finish and give their
+cache block back. Every step runs on the compiled runner and on the oracle (the eager
+model, SPEC §3), and every cache slot the step wrote is compared: each layer's SWA KV
+(the replay layers' for kept rows only, SPEC §3), each source's global entries and
+raw halves, and each request's last-row logits. Then the compiled runner's written
+slots take the oracle's values, so every step starts from the same context and a
+mismatch is reported for the step that made it.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import RequestChunk, kept_len
+from .compare import BAND_FACTOR, BF16_BAND, default_tolerance, max_abs_err, rel_l2
+from .counters import counters
+from .runner import StepOutput, StepRunner
+
+
+@dataclass
+class _Live:
+    """A request the traffic holds: its prompt, the tokens in cache, decodes to go."""
+
+    req_id: str
+    prompt: int
+    keep_all: bool
+    decodes: int
+    done: int = 0
+
+
+class Traffic:
+    """Random serving traffic within a runner's limits. Each step aims at a token count
+    drawn from one of three bands, in turn: below the trim threshold (a graphed step that
+    does not trim), from the threshold to the largest main capture size (a graphed step
+    that trims), and above it (an eager step); every other eager step takes chunks of at
+    most W tokens or keep-all prefills, so that it has nothing to trim."""
+
+    def __init__(self, seed: int, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 window: int, trim_threshold: int, max_capture_size: int) -> None:
+        self.rng = random.Random(seed)
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_tokens, self.window = max_num_batched_tokens, window
+        self.bands = [(1, trim_threshold - 1), (trim_threshold, max_capture_size),
+                      (max_capture_size + 1, max_num_batched_tokens)]
+        self.bands = [(lo, hi, None) for lo, hi in self.bands if lo <= hi]
+        if max_capture_size < max_num_batched_tokens:
+            self.bands.append((max_capture_size + 1, min(max_num_batched_tokens, max_num_seqs * window), window))
+        self.live: dict[str, _Live] = {}
+        self._next_id = 0
+        self._turn = 0
+
+    def step(self) -> list[RequestChunk]:
+        rng = self.rng
+        lo, hi, cap = self.bands[self._turn % len(self.bands)]
+        self._turn += 1
+        room = rng.randint(lo, hi)
+        cap = cap or self.max_tokens
+        chunks: list[RequestChunk] = []
+        for r in list(self.live.values()):  # decodes first, then unfinished prompts
+            if room == 0 or len(chunks) == self.max_num_seqs:
+                break
+            if r.done >= r.prompt and rng.random() < 0.8:
+                q = min(room, self.max_model_len - r.done, rng.choice((1, 1, 1, 2, 3, 4)))
+                chunks.append(self._chunk(r, q))
+                room -= q
+        for r in list(self.live.values()):
+            if room == 0 or len(chunks) == self.max_num_seqs:
+                break
+            if r.done < r.prompt:
+                q = min(room, r.prompt - r.done, self.max_tokens if r.keep_all else cap)
+                chunks.append(self._chunk(r, q))
+                room -= q
+        while room > 0 and len(chunks) < self.max_num_seqs and len(self.live) < self.max_num_seqs:
+            r = self._arrive(keep_all=0.5 if cap < self.max_tokens else 0.15)
+            q = min(room, r.prompt, self.max_tokens if r.keep_all else cap)
+            chunks.append(self._chunk(r, q))
+            room -= q
+        return chunks
+
+    def _arrive(self, keep_all: float) -> _Live:
+        rng = self.rng
+        keep_all = rng.random() < keep_all
+        longest = min(self.max_model_len - 8, 2048 if keep_all else self.max_model_len - 8)
+        prompt = int(round(2 ** rng.uniform(0, max(1.0, longest).bit_length() - 1)))
+        r = _Live(f"q{self._next_id}", max(1, min(prompt, longest)), keep_all, rng.randint(0, 6))
+        self._next_id += 1
+        self.live[r.req_id] = r
+        return r
+
+    def _chunk(self, r: _Live, q: int) -> RequestChunk:
+        seq_len = r.done + q
+        kv_start = None
+        if not r.keep_all and q > self.window and self.rng.random() < 0.1:
+            kv_start = seq_len - self.window + self.rng.randint(1, self.window // 2)  # a later floor
+        return RequestChunk(r.req_id, q, seq_len, keep_all=r.keep_all and r.done < r.prompt, kv_start=kv_start)
+
+    def advance(self, chunks: list[RequestChunk]) -> list[str]:
+        """Account for a step that ran; returns the requests it finished."""
+        finished = []
+        for c in chunks:
+            r = self.live[c.req_id]
+            decoding = r.done >= r.prompt
+            r.done = c.seq_len
+            if decoding:
+                r.decodes -= 1
+            if r.done >= r.prompt and (r.decodes <= 0 or r.done >= self.max_model_len - 4):
+                finished.append(r.req_id)
+                del self.live[r.req_id]
+        return finished
+
+
+def step_kind(out: StepOutput) -> str:
+    """The path a step took: main graphs or eager, trimmed or not, the replay region in
+    a replay graph or eagerly, the trim op's gathers and scatter in graphs or not."""
+    t = out.trim
+    parts = [out.step.kind if out.step is not None else "eager", "trimmed" if t and t.trimmed else "untrimmed",
+             "replay-graph" if t and t.graph else "replay-eager"]
+    if t and t.io_graphs:
+        parts.append("io-graphs")
+    return "/".join(parts)
+
+
+def spec_of(chunks: list[RequestChunk]) -> str:
+    """The step in ``verify --batch`` form (``kv_start`` shown as ``@floor``)."""
+    def one(c):
+        kind = "k" if c.keep_all else ("d" if c.context_len and c.query_len <= 4 else "p")
+        return f"{kind}:{c.query_len}/{c.seq_len}" + (f"@{c.kv_start}" if c.kv_start is not None else "")
+    return ",".join(one(c) for c in chunks)
+
+
+@dataclass
+class Mismatch:
+    step: int
+    spec: str
+    kind: str
+    what: str
+    err: float
+
+
+@dataclass
+class SoakReport:
+    seed: int
+    steps: int
+    dtype: str
+    measure: str  # "max |d|" (fp32) or "rel L2" (16-bit)
+    limit: float
+    kinds: Counter = field(default_factory=Counter)
+    worst: dict = field(default_factory=dict)  # per compared part, the largest error seen
+    mismatches: list[Mismatch] = field(default_factory=list)
+    counters_moved: dict = field(default_factory=dict)
+
+    def render(self) -> str:
+        lines = [f"soak: seed {self.seed}, {self.steps} steps, {self.dtype}, limit {self.measure} <= {self.limit:g}",
+                 "step kinds:"]
+        lines += [f"  {n:5d}  {k}" for k, n in sorted(self.kinds.items())]
+        lines.append("largest error per part: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(self.worst.items())))
+        lines.append(f"counters moved while serving: {self.counters_moved or 'none'}")
+        lines += [f"MISMATCH step {m.step} [{m.kind}] {m.spec}: {m.what} {m.err:.3g}" for m in self.mismatches]
+        lines.append(f"{len(self.mismatches)} mismatches")
+        return "\n".join(lines)
+
+
+def written_slots(caches, chunks: list[RequestChunk], batch, kept_only: bool = True
+                  ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per compared part, (cache tensor, slots) pairs of what the step wrote. The replay
+    layers' SWA counts kept rows only (SPEC §3) unless ``kept_only`` is false."""
+    cfg, window = caches.cfg, batch.window
+    slots, kept = [], []
+    for i, c in enumerate(chunks):
+        base = batch.view.cache_base[i]
+        slots.extend(range(base + c.context_len, base + c.seq_len))
+        kept.extend(range(base + c.seq_len - kept_len(c, window), base + c.seq_len))
+    dev = caches.swa[0].device
+    slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+    kept_t = torch.tensor(kept, dtype=torch.int64, device=dev) if kept_only else slots_t
+    # A block's base is even (CacheLayout), so a slot's parity is its position's: odd
+    # positions complete the ratio-2 entry slot // 2.
+    pairs = slots_t[slots_t % 2 == 1] // 2
+    parts: dict[str, list] = {"swa": [], "swa-replay": [], "global": [], "raw": []}
+    for layer, swa in enumerate(caches.swa):
+        parts["swa-replay" if layer > cfg.cut else "swa"].append((swa, kept_t if layer > cfg.cut else slots_t))
+    for src, glob in caches.glob.items():
+        parts["global"].append((glob, slots_t if cfg.compress_ratio(src) == 1 else pairs))
+    for raw in caches.raw.values():
+        parts["raw"].append((raw, slots_t))
+    return parts
+
+
+class Soak:
+    """Runs the traffic through ``runner`` (compiled, captured, serving) and ``oracle``."""
+
+    def __init__(self, runner: StepRunner, oracle: StepRunner, traffic: Traffic, seed: int) -> None:
+        self.runner, self.oracle, self.traffic = runner, oracle, traffic
+        dtype = runner.dtype
+        self.exact = dtype in (torch.float32, torch.float64)
+        self.limit = default_tolerance(dtype) if self.exact else BAND_FACTOR * BF16_BAND
+        self.report = SoakReport(seed, 0, str(dtype).replace("torch.", ""), "max |d|" if self.exact else "rel L2",
+                                 self.limit)
+
+    def _err(self, got: torch.Tensor, want: torch.Tensor) -> float:
+        if got.numel() == 0:
+            return 0.0
+        return max_abs_err(got, want) if self.exact else rel_l2(got, want)
+
+    def run(self, steps: int) -> SoakReport:
+        before = counters.state()
+        for i in range(steps):
+            self.one(i)
+        self.report.counters_moved = {k: v for k, v in counters.moved_since(before).items()
+                                      if k in ("fallbacks", "recompiles", "captures", "graphs_seen", "compilations")}
+        return self.report
+
+    def one(self, i: int) -> None:
+        chunks = self.traffic.step()
+        got = self.runner.step(chunks)
+        want = self.oracle.step(chunks)
+        kind = step_kind(got)
+        rep = self.report
+        rep.steps += 1
+        rep.kinds[kind] += 1
+        errs = {"logits": self._err(got.logits, want.logits)}
+        mine = written_slots(self.runner.kv, chunks, got.batch)
+        theirs = written_slots(self.oracle.kv, chunks, want.batch)
+        for part in mine:
+            a = [t.index_select(0, s).float() for t, s in mine[part]]
+            b = [t.index_select(0, s).float() for t, s in theirs[part]]
+            errs[part] = self._err(torch.cat([x.flatten() for x in a]), torch.cat([x.flatten() for x in b])) \
+                if a else 0.0
+        if not torch.isfinite(got.logits).all():
+            errs["logits"] = float("inf")
+        for part, err in errs.items():
+            rep.worst[part] = max(rep.worst.get(part, 0.0), err)
+            if not err <= self.limit:
+                rep.mismatches.append(Mismatch(i, spec_of(chunks), kind, part, err))
+        everything = zip(written_slots(self.runner.kv, chunks, got.batch, kept_only=False).values(),
+                         written_slots(self.oracle.kv, chunks, want.batch, kept_only=False).values())
+        for mine_part, theirs_part in everything:
+            for (mine_t, slots), (theirs_t, _) in zip(mine_part, theirs_part):
+                mine_t.index_copy_(0, slots, theirs_t.index_select(0, slots))
+        for req_id in self.traffic.advance(chunks):
+            self.runner.free(req_id)
+            self.oracle.free(req_id)
+
+
+def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len: int = 8192,
+         max_num_batched_tokens: int = 4096, options: dict | None = None) -> SoakReport:
+    """Capture a serving runner for ``model`` (a ReplayBackend with ``options``) and
+    soak it against the oracle for ``steps`` steps of traffic drawn from ``seed``."""
+    from .backend import ReplayBackend
+
+    opts = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **(options or {}))
+    backend = ReplayBackend(**opts)
+    kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+    runner = StepRunner(model, backend=backend, **kw)
+    runner.capture()
+    cfg = backend.config
+    traffic = Traffic(seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      max_num_batched_tokens=max_num_batched_tokens, window=model.cfg.window,
+                      trim_threshold=cfg.decoder_replay_trim_threshold,
+                      max_capture_size=max(cfg.capture_sizes() or [0]))
+    return Soak(runner, StepRunner(model, **kw), traffic, seed).run(steps)

@@ -1,0 +1,69 @@
+"""The serving soak (replay_backend/soak.py) on the CPU: its traffic covers every kind
+of step, a compiled runner passes it, and it reports a wrong slot as a mismatch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replay_backend.backend import ReplayBackend
+from replay_backend.batch import RequestChunk
+from replay_backend.runner import StepRunner
+from replay_backend.soak import Soak, Traffic, spec_of, written_slots
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
+
+OPTS = dict(compiler="eager", cudagraph_capture_sizes=[4, 16, 32, 64], decoder_replay_trim_threshold=32,
+            max_num_seqs=6, max_num_batched_tokens=128)
+KW = dict(max_num_seqs=6, max_model_len=256, max_num_batched_tokens=128)
+
+
+def make_soak(model, seed: int) -> Soak:
+    runner = StepRunner(model, backend=ReplayBackend(**OPTS), **KW)
+    runner.capture()
+    traffic = Traffic(seed, max_num_seqs=6, max_model_len=256, max_num_batched_tokens=128, window=model.cfg.window,
+                      trim_threshold=32, max_capture_size=64)
+    return Soak(runner, StepRunner(model, **KW), traffic, seed)
+
+
+def test_a_compiled_runner_passes_the_soak_and_every_kind_of_step_is_covered(model):
+    report = make_soak(model, 5).run(80)
+    assert report.mismatches == [], report.render()
+    assert report.counters_moved == {}, report.render()
+    assert {"piecewise/trimmed/replay-graph/io-graphs", "piecewise/untrimmed/replay-graph",
+            "eager/trimmed/replay-graph", "eager/untrimmed/replay-eager"} <= set(report.kinds), report.kinds
+    assert report.steps == 80 and "0 mismatches" in report.render()
+
+
+def test_a_slot_the_compiled_step_got_wrong_is_a_mismatch_of_that_step(model):
+    soak = make_soak(model, 6)
+    step = soak.runner.step
+
+    def corrupt_step_7(chunks):
+        out = step(chunks)
+        if soak.report.steps == 7:  # one kept row's KV in the last replay layer
+            swa = soak.runner.kv.swa[-1]
+            slot = written_slots(soak.runner.kv, chunks, out.batch)["swa-replay"][-1][1][-1]
+            swa[slot] += 0.5
+        return out
+
+    soak.runner.step = corrupt_step_7
+    report = soak.run(12)
+    assert [(m.step, m.what) for m in report.mismatches] == [(7, "swa-replay")], report.render()
+    assert report.mismatches[0].err == pytest.approx(0.5, rel=1e-3)
+
+
+def test_written_slots_follow_the_cache_layout(model):
+    runner = StepRunner(model, **KW)
+    # block 0: a 20-token prefill after 30 cached positions (W = 16: 16 kept rows)
+    chunks = [RequestChunk("a", 20, 50)]
+    batch = runner.build_batch(chunks)
+    parts = written_slots(runner.kv, chunks, batch)
+    swa = parts["swa"][0][1].tolist()
+    assert swa == list(range(30, 50))
+    assert parts["swa-replay"][0][1].tolist() == list(range(34, 50))
+    cfg = model.cfg
+    ratios = [cfg.compress_ratio(s) for s in runner.kv.glob]
+    by_ratio = dict(zip(ratios, (s.tolist() for _, s in parts["global"])))
+    assert by_ratio[1] == swa and by_ratio[2] == [p // 2 for p in range(31, 50, 2)]
+    assert spec_of(chunks + [RequestChunk("b", 1, 9), RequestChunk("c", 40, 40, keep_all=True)]) == \
+        "p:20/50,d:1/9,k:40/40"
