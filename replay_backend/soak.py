@@ -13,6 +13,7 @@ mismatch is reported for the step that made it.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -209,10 +210,23 @@ class Soak:
             return 0.0
         return max_abs_err(got, want) if self.exact else rel_l2(got, want)
 
-    def run(self, steps: int) -> SoakReport:
+    def run(self, steps: int, log=None, every: int = 50, max_seconds: float | None = None) -> SoakReport:
+        """``steps`` steps, or fewer where ``max_seconds`` run out first; ``log`` (e.g.
+        ``print``) hears of every mismatch when it happens and of progress every
+        ``every`` steps, so a run stopped from outside has told what it saw."""
         before = counters.state()
+        t0 = time.perf_counter()
         for i in range(steps):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                break
+            seen = len(self.report.mismatches)
             self.one(i)
+            if log is not None:
+                for m in self.report.mismatches[seen:]:
+                    log(f"MISMATCH step {m.step} [{m.kind}] {m.spec}: {m.what} {m.err:.3g}")
+                if (i + 1) % every == 0:
+                    log(f"step {i + 1}: {time.perf_counter() - t0:.0f} s, {len(self.report.mismatches)} mismatches, "
+                        f"largest error {max(self.report.worst.values()):.3g}")
         self.report.counters_moved = {k: v for k, v in counters.moved_since(before).items()
                                       if k in ("fallbacks", "recompiles", "captures", "graphs_seen", "compilations")}
         return self.report
@@ -250,7 +264,8 @@ class Soak:
 
 
 def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len: int = 8192,
-         max_num_batched_tokens: int = 4096, options: dict | None = None) -> SoakReport:
+         max_num_batched_tokens: int = 4096, options: dict | None = None, log=None,
+         max_seconds: float | None = None) -> SoakReport:
     """Capture a serving runner for ``model`` (a ReplayBackend with ``options``) and
     soak it against the oracle for ``steps`` steps of traffic drawn from ``seed``."""
     from .backend import ReplayBackend
@@ -259,10 +274,13 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
     backend = ReplayBackend(**opts)
     kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
     runner = StepRunner(model, backend=backend, **kw)
+    t0 = time.perf_counter()
     runner.capture()
+    if log is not None:
+        log(f"compiled and captured in {time.perf_counter() - t0:.0f} s")
     cfg = backend.config
     traffic = Traffic(seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, window=model.cfg.window,
                       trim_threshold=cfg.decoder_replay_trim_threshold,
                       max_capture_size=max(cfg.capture_sizes() or [0]))
-    return Soak(runner, StepRunner(model, **kw), traffic, seed).run(steps)
+    return Soak(runner, StepRunner(model, **kw), traffic, seed).run(steps, log, max_seconds=max_seconds)

@@ -36,12 +36,14 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option")
+    ap.add_argument("--max-seconds", type=float, help="stop taking steps after this long (capture not counted)")
     ap.add_argument("--json", metavar="PATH", help="write the report here too")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = build_model(preset(args.preset), args.device, getattr(torch, args.dtype))
     report = soak(model, args.steps, args.seed, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens, options=parse_options(args.option))
+                  max_num_batched_tokens=args.max_num_batched_tokens, options=parse_options(args.option),
+                  log=lambda line: print(line, flush=True), max_seconds=args.max_seconds)
     print(f"{args.preset} on {args.device}: {time.perf_counter() - t0:.0f} s with capture")
     print(report.render())
     if args.json:

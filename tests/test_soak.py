@@ -56,6 +56,7 @@ def test_written_slots_follow_the_cache_layout(model):
     runner = StepRunner(model, **KW)
     # block 0: a 20-token prefill after 30 cached positions (W = 16: 16 kept rows)
     chunks = [RequestChunk("a", 20, 50)]
+    runner.prefill_context(chunks)
     batch = runner.build_batch(chunks)
     parts = written_slots(runner.kv, chunks, batch)
     swa = parts["swa"][0][1].tolist()
