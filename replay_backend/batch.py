@@ -15,6 +15,12 @@ from .kv_cache import CacheLayout
 from .step_metadata import MetadataBuffer, aligned_fields, to_device
 
 
+# The largest length or position a request may give: past it a number is a typo, not a
+# request (no cache could hold it), and it must fail here, not as an overflow or an
+# allocation deep inside a step.
+MAX_POSITION = 2 ** 31 - 1
+
+
 @dataclass(frozen=True)
 class RequestChunk:
     """One request's share of a step: ``query_len`` new tokens ending at ``seq_len``.
@@ -30,6 +36,26 @@ class RequestChunk:
     seq_len: int
     keep_all: bool = False
     kv_start: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            hash(self.req_id)
+        except TypeError:
+            raise ValueError(f"RequestChunk.req_id must be hashable (an int or a str), got "
+                             f"{type(self.req_id).__name__} {self.req_id!r}") from None
+        for name in ("query_len", "seq_len", "kv_start"):
+            val = getattr(self, name)
+            if val is None and name == "kv_start":
+                continue
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise ValueError(f"RequestChunk.{name} must be an int, got {type(val).__name__} {val!r} "
+                                 f"(req_id={self.req_id!r})")
+            if not -MAX_POSITION <= val <= MAX_POSITION:
+                raise ValueError(f"RequestChunk.{name}={val} is beyond the limit of {MAX_POSITION} positions "
+                                 f"(req_id={self.req_id!r})")
+        if not isinstance(self.keep_all, bool):
+            raise ValueError(f"RequestChunk.keep_all must be true or false, got {self.keep_all!r} "
+                             f"(req_id={self.req_id!r})")
 
     @property
     def context_len(self) -> int:
@@ -91,6 +117,7 @@ class StepBatch:
     # buffer is still at this generation (step_metadata.py).
     metadata: MetadataBuffer | None = field(default=None, compare=False, repr=False)
     generation: int = 0
+    layout: CacheLayout | None = None  # the cache layout its slots address
 
     def check_current(self) -> None:
         """Raise if a later build overwrote this batch's device metadata."""
@@ -228,7 +255,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
         v.derived[ATTN_BLOCKS] = b.view(-1, ATTN_BLOCK_FIELDS)
     replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
     return StepBatch(requests, window, ids, pos, last, view, replay, metadata,
-                     metadata.generation if metadata is not None else 0)
+                     metadata.generation if metadata is not None else 0, layout)
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

@@ -28,5 +28,8 @@ def parse_batch_spec(spec: str) -> list[RequestChunk]:
             raise ValueError(f"--batch item {i} {item!r}: need 1 <= Q <= S")
         if kind == "d" and not m.group(3):
             raise ValueError(f"--batch item {i} {item!r}: a decode needs its sequence length (d:Q/S)")
-        reqs.append(RequestChunk(f"r{i}", q, s, keep_all=(kind == "k")))
+        try:
+            reqs.append(RequestChunk(f"r{i}", q, s, keep_all=(kind == "k")))
+        except ValueError as e:
+            raise ValueError(f"--batch item {i} {item!r}: {e}") from None
     return reqs

@@ -99,6 +99,7 @@ class StepRunner:
         if backend is not None and forward is None:
             self.forward = torch.compile(model, backend=backend, fullgraph=True)
         self._blocks: dict[Any, int] = {}
+        self._cached: dict[Any, int] = {}  # positions in cache per request, after its last step
         # Direct dispatch (runtime/direct.py): what the warm-up steps taught, and the entry
         # served steps take once serving started.
         self._learned: direct.DirectEntry | str | None = None
@@ -119,24 +120,45 @@ class StepRunner:
 
     # ---- cache blocks --------------------------------------------------------------
     def block_of(self, req_id) -> int:
-        if req_id not in self._blocks:
-            free = set(range(self.layout.num_blocks)) - set(self._blocks.values())
-            if not free:
-                raise RuntimeError(f"no free cache block for request {req_id!r}: all "
-                                   f"{self.layout.num_blocks} (max_num_seqs) are in use")
-            self._blocks[req_id] = min(free)
-        return self._blocks[req_id]
+        return self._claim_blocks([req_id])[0]
+
+    def _claim_blocks(self, req_ids: list) -> list[int]:
+        """Each request's cache block, new ones claimed only when all of them fit, so a
+        step that does not fit leaves every block as it was."""
+        new = [r for r in req_ids if r not in self._blocks]
+        free = sorted(set(range(self.layout.num_blocks)) - set(self._blocks.values()))
+        if len(new) > len(free):
+            raise RuntimeError(f"no free cache block for request {new[len(free)]!r}: the step needs "
+                               f"{len(new)} new blocks and {len(free)} of {self.layout.num_blocks} "
+                               "(max_num_seqs) are free")
+        self._blocks.update(zip(new, free))
+        return [self._blocks[r] for r in req_ids]
 
     def free(self, req_id) -> None:
         self._blocks.pop(req_id, None)
+        self._cached.pop(req_id, None)
+
+    def cached_len(self, req_id) -> int:
+        """How many of the request's positions the cache holds (0 for an unknown request)."""
+        return self._cached.get(req_id, 0)
+
+    def _check_context(self, requests: list[RequestChunk]) -> None:
+        """A chunk reads its request's earlier positions from the cache: they must be there."""
+        for i, r in enumerate(requests):
+            held = self._cached.get(r.req_id, 0)
+            if r.context_len > held:
+                raise ValueError(
+                    f"request {i} (req_id={r.req_id!r}): its chunk starts at position {r.context_len}, but the "
+                    f"cache holds {held} of its positions: run its earlier chunks first (prefill_context)")
 
     # ---- steps ---------------------------------------------------------------------
     @torch.inference_mode()
     def build_batch(self, requests: Iterable[RequestChunk]) -> StepBatch:
         requests = list(requests)
         validate_requests(requests, self.layout, self.cfg.window, self.max_num_batched_tokens)
+        self._check_context(requests)
+        blocks = self._claim_blocks([r.req_id for r in requests])  # the last check: it claims blocks
         tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
-        blocks = [self.block_of(r.req_id) for r in requests]
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
                                 self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None,
                                 metadata=self.metadata if self._serving else None)
@@ -145,6 +167,10 @@ class StepRunner:
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
             use_graphs: bool = True) -> StepOutput:
         batch.check_current()
+        if batch.layout != self.layout or batch.window != self.cfg.window:
+            raise ValueError(f"the batch was built for cache layout {batch.layout} and window {batch.window}, "
+                             f"this runner has {self.layout} and window {self.cfg.window}: build it with "
+                             "this runner's build_batch")
         ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay, use_graphs=use_graphs)
         fwd = forward if forward is not None else self.forward
         ids, pos = batch.input_ids, batch.positions
@@ -157,6 +183,10 @@ class StepRunner:
         with set_forward_context(ctx):
             hidden = self._run_compiled(ids, pos) if compiled else fwd(ids, pos)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        for i, r in enumerate(batch.requests):  # the cache now holds each request's chunk
+            if self._blocks.get(r.req_id) is not None and self.layout.base(self._blocks[r.req_id]) == \
+                    batch.view.cache_base[i]:
+                self._cached[r.req_id] = r.seq_len
         return StepOutput(logits, batch, ctx.step, ctx.last_trim)
 
     def step(self, requests: Iterable[RequestChunk], eager_replay: str = "off",

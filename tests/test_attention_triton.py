@@ -62,7 +62,7 @@ def test_capture_builds_every_split_variant_that_served_steps_launch(monkeypatch
         v.clear()
     runner.prefill({"long": 300})  # a trimming prefill over a long context
     runner.step([RequestChunk("long", 1, 301)])  # a decode after it
-    runner.step([RequestChunk("chunk", 40, 300)])  # a chunk late in its prompt (context not cached)
+    runner.step([RequestChunk("long", 40, 300)])  # a chunk late in its prompt (recomputed over its context)
     # (floored, ratio): main layers over both caches and the replay layer split
     assert split_cases == {(False, 2), (False, 1), (True, 1)}, split_cases
     assert launched["merge"]

@@ -449,3 +449,69 @@ def test_metadata_buffer_refuses_what_it_cannot_hold_and_stale_batches():
     buf.overwritten()
     with pytest.raises(RuntimeError, match="stale StepBatch"):
         b.check_current()
+
+
+# --------------------------------------------------------------------------------------
+# Misuse: each is refused whole, naming what is wrong, before any state changes
+# --------------------------------------------------------------------------------------
+def test_a_step_over_the_free_blocks_claims_none_and_the_next_good_step_runs(make_runner):
+    runner = make_runner(max_num_seqs=3)
+    runner.step([R("a", 4, 4)])
+    with pytest.raises(RuntimeError, match=r"needs 3 new blocks and 2 of 3 \(max_num_seqs\) are free"):
+        runner.build_batch([R("b", 1, 1), R("c", 1, 1), R("d", 1, 1)])
+    assert runner.block_of("e") == 1  # nothing of the refused step was kept
+    runner.free("e")
+    out = runner.step([R("b", 2, 2), R("c", 3, 3)])
+    assert out.batch.view.cache_base == (runner.layout.base(1), runner.layout.base(2))
+
+
+def test_a_chunk_whose_context_is_not_in_the_cache_is_refused(make_runner):
+    runner = make_runner()
+    with pytest.raises(ValueError, match=r"request 1 \(req_id='b'\): its chunk starts at position 40, but "
+                                         r"the cache holds 0 of its positions"):
+        runner.step([R("a", 3, 3), R("b", 1, 41)])
+    assert runner.block_of("z") == 0  # refused before any block was claimed
+    runner.free("z")
+    runner.step([R("b", 30, 30)])
+    assert runner.cached_len("b") == 30
+    with pytest.raises(ValueError, match=r"starts at position 35, but the cache holds 30"):
+        runner.step([R("b", 1, 36)])
+    runner.step([R("b", 5, 35)])  # the next chunk, then a decode after it
+    runner.step([R("b", 1, 36)])
+    assert runner.cached_len("b") == 36
+    runner.free("b")  # a freed request's block holds nothing of it
+    with pytest.raises(ValueError, match=r"req_id='b'.*the cache holds 0"):
+        runner.step([R("b", 1, 37)])
+
+
+def test_a_batch_from_a_runner_with_another_layout_is_refused_at_run(make_runner):
+    mine, other = make_runner(max_model_len=256), make_runner(max_model_len=512)
+    batch = other.build_batch([R("a", 5, 5)])
+    with pytest.raises(ValueError, match=r"built for cache layout CacheLayout\(max_model_len=512.*this runner has "
+                                         r"CacheLayout\(max_model_len=256"):
+        mine.run(batch)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(req_id="a", query_len=10.0, seq_len=10), r"RequestChunk.query_len must be an int, got float 10.0"),
+    (dict(req_id="a", query_len="10", seq_len=10), r"RequestChunk.query_len must be an int, got str '10'"),
+    (dict(req_id="a", query_len=True, seq_len=10), r"query_len must be an int, got bool"),
+    (dict(req_id=["a"], query_len=1, seq_len=1), r"req_id must be hashable.*got list \['a'\]"),
+    (dict(req_id="a", query_len=1, seq_len=10 ** 20), r"seq_len=100000000000000000000 is beyond the limit of "
+                                                       r"2147483647 positions"),
+    (dict(req_id="a", query_len=5, seq_len=9, kv_start=4.5), r"kv_start must be an int, got float"),
+    (dict(req_id="a", query_len=5, seq_len=9, keep_all=1), r"keep_all must be true or false, got 1"),
+])
+def test_request_fields_of_the_wrong_type_or_size_raise_naming_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        R(**kw)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("p:99999999999999999999", r"item 0 'p:99999999999999999999': RequestChunk.query_len=99999999999999999999 "
+                               r"is beyond the limit of 2147483647"),
+    ("d:1/700,d:1/99999999999", r"item 1 'd:1/99999999999': RequestChunk.seq_len=99999999999 is beyond"),
+])
+def test_batch_specs_past_the_limits_raise_naming_the_item(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_batch_spec(spec)
