@@ -18,6 +18,16 @@ def op_name(target) -> str | None:
     return None
 
 
+def op_tags(node: fx.Node) -> tuple:
+    """The tags of the torch op a node calls (none for anything else)."""
+    if node.op != "call_function":
+        return ()
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    return tuple(getattr(target, "tags", ()) or ()) if isinstance(target, torch._ops.OpOverload) else ()
+
+
 def is_op(node: fx.Node, names) -> bool:
     if node.op != "call_function":
         return False

@@ -15,14 +15,11 @@ import torch
 from torch import fx
 
 from .common import is_op, node_value
+from .row_local import TRIM_OP, row_mixing, symbols
 
 BEGIN = "dsv41_replay::replay_begin"
 END = "dsv41_replay::replay_end"
-TRIM = "dsv41_replay::trim_and_redispatch"
-
-# Ops that mix rows when applied along the token dimension.
-_ROW_MIXING = {"cumsum", "cumprod", "cummax", "cummin", "flip", "roll", "sort", "argsort"}
-
+TRIM = TRIM_OP
 
 class ReplayRegionError(ValueError):
     """The graph's replay region cannot be extracted; the message says why."""
@@ -34,20 +31,6 @@ class ExtractedRegion:
     num_row_inputs: int
     num_outputs: int
     window: int | None
-
-
-def _symbols(value) -> set:
-    if isinstance(value, torch.SymInt):
-        return set(value.node.expr.free_symbols)
-    if isinstance(value, torch.Tensor):
-        out = set()
-        for s in value.shape:
-            if isinstance(s, torch.SymInt):
-                out |= set(s.node.expr.free_symbols)
-        return out
-    if isinstance(value, (list, tuple)):
-        return set().union(*(_symbols(v) for v in value)) if value else set()
-    return set()
 
 
 def find_markers(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node] | None:
@@ -64,64 +47,17 @@ def find_markers(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node] | None:
     return begins[0], ends[0]
 
 
-def _token_dim(value, token_syms: set) -> int | None:
-    if isinstance(value, torch.Tensor):
-        for i, s in enumerate(value.shape):
-            if _symbols(s) & token_syms:
-                return i
-    return None
-
-
-def _named_args(node: fx.Node) -> dict:
-    """The node's arguments by schema name, where torch can tell (else its kwargs)."""
-    from torch.fx.operator_schemas import normalize_function
-
-    target = node.target
-    args = node.args
-    if node.op == "call_method":
-        target, args = getattr(torch, node.target, None), node.args
-    if target is None or not callable(target):
-        return dict(node.kwargs)
+def marked_window(gm: fx.GraphModule) -> int | None:
+    """The window ``replay_begin`` declares, or None where the markers are missing or
+    malformed (:func:`extract_replay_region` then says why)."""
     try:
-        norm = normalize_function(target, tuple(args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
-    except Exception:  # unknown or ambiguous signature: fall back to what is named
-        norm = None
-    return dict(norm.kwargs) if norm is not None else dict(node.kwargs)
-
-
-def _check_row_local(node: fx.Node, token_syms: set) -> None:
-    """A structural check of row-locality: no op may work *along* the token dimension
-    (a ``dim``/``dims`` argument naming it: softmax, cumsum, roll, cat, index_select...),
-    drop it (a reduction over rows) or pair rows with rows (two token dimensions)."""
-    ins = [node_value(a) for a in node.all_input_nodes]
-    dims = [(d, v) for v in ins if (d := _token_dim(v, token_syms)) is not None]
-    if not dims:
-        return
-    name = str(getattr(node.target, "__name__", node.target)).split(".")[-1]
-    tok, first = dims[0]
-    named = _named_args(node)
-    for key in ("dim", "dims", "axis"):
-        val = named.get(key)
-        if isinstance(val, int) or isinstance(val, (list, tuple)):
-            wanted = [val] if isinstance(val, int) else [d for d in val if isinstance(d, int)]
-            if any(d % max(first.dim(), 1) == tok for d in wanted):
-                raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
-                                        "works along the token dimension")
-    if name in _ROW_MIXING and not any(k in named for k in ("dim", "dims", "axis")):
-        raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
-                                "mixes rows along the token dimension")
-    out = node_value(node)
-    outs = out if isinstance(out, (list, tuple)) else [out]
-    for o in outs:
-        if not isinstance(o, torch.Tensor):
-            continue
-        n_tok = sum(1 for s in o.shape if _symbols(s) & token_syms)
-        if n_tok == 0:
-            raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
-                                    "reduces over the token dimension")
-        if n_tok > 1:
-            raise ReplayRegionError(f"replay region is not row-local: {node.name} ({name}) "
-                                    "pairs rows with rows")
+        markers = find_markers(gm)
+    except ReplayRegionError:
+        return None
+    if markers is None:
+        return None
+    begin = markers[0]
+    return begin.args[1] if len(begin.args) > 1 else begin.kwargs.get("window")
 
 
 def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region_id: int = 0
@@ -136,13 +72,13 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region
     body_set = set(body)
     row_inputs = list(begin.args[0])
     window = begin.args[1] if len(begin.args) > 1 else begin.kwargs.get("window")
-    token_syms = set().union(*(_symbols(node_value(x)) for x in row_inputs))
+    token_syms = set().union(*(symbols(node_value(x)) for x in row_inputs))
     if not token_syms:
         raise ReplayRegionError("replay_begin inputs have no symbolic token dimension "
                                 "(was the token count marked dynamic?)")
     for x in row_inputs:
         v = node_value(x)
-        if not isinstance(v, torch.Tensor) or not v.dim() or not _symbols(v.shape[0]) & token_syms:
+        if not isinstance(v, torch.Tensor) or not v.dim() or not symbols(v.shape[0]) & token_syms:
             raise ReplayRegionError(f"replay_begin input {getattr(x, 'name', x)} is not indexed by token")
 
     rg = fx.Graph()
@@ -166,10 +102,11 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region
     if any(node_value(x).shape[0].node.expr != n0.node.expr for x in row_inputs):
         raise ReplayRegionError("replay_begin inputs disagree on the token count symbol")
     local_sizes = {n0.node.expr: n_rows}
+    row_counts = {n0.node.expr}
 
     def outside(x: fx.Node) -> fx.Node:
         v = node_value(x)
-        syms = _symbols(v)
+        syms = symbols(v)
         if isinstance(v, torch.SymInt) and v.node.expr in local_sizes:
             return local_sizes[v.node.expr]
         if syms:
@@ -195,7 +132,9 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region
                 raise ReplayRegionError(f"{node.name}, computed in the replay region, is used by "
                                         f"{user.name} after it: the boundary must be single-exit")
         if not is_op(node, allowed_ops):
-            _check_row_local(node, token_syms)
+            why = row_mixing(node, token_syms, row_counts)
+            if why is not None:
+                raise ReplayRegionError(f"replay region is not row-local: {why}")
         for x in node.all_input_nodes:
             if x not in body_set and x not in env:
                 env[x] = outside(x)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from .common import is_op, layers_of, op_name
+from .common import is_op, layers_of, op_name, op_tags
 
 
 @dataclass
@@ -82,3 +82,15 @@ def live_across(split: fx.GraphModule, piece: str) -> set[str]:
     return {n.target for n in split.graph.nodes
             if n.op == "call_module" and order[n] < order[at]
             and any(order[u] >= order[at] for u in readers(n))}
+
+
+
+def step_dependent_ops(gm: fx.GraphModule, splitting_ops, step_tags: tuple, exempt: frozenset = frozenset()
+                       ) -> list[str]:
+    """Ops carrying one of ``step_tags`` (they read per-step state, such as the step's
+    metadata) that are not splitting ops, so would run inside a graph piece, where a
+    captured graph replays the first step's values. ``exempt`` names ops whose
+    captured behaviour is the intended one."""
+    allowed = set(splitting_ops) | set(exempt)
+    return sorted({op_name(n.target) for n in gm.graph.nodes
+                   if n.op == "call_function" and op_name(n.target) not in allowed and set(op_tags(n)) & set(step_tags)})

@@ -14,8 +14,9 @@ import torch
 from torch import fx
 
 from replay_backend.passes.common import is_op
-from replay_backend.passes.region import TRIM, ReplayRegionError, extract_replay_region
-from replay_backend.passes.split import live_across, split_at_ops
+from replay_backend.passes.region import BEGIN, END, TRIM, ReplayRegionError, extract_replay_region, marked_window
+from replay_backend.passes.row_local import padding_unsafe
+from replay_backend.passes.split import live_across, split_at_ops, step_dependent_ops
 
 from . import inspection, torch_compat
 from .config import ReplayConfig
@@ -149,8 +150,23 @@ def _trim_call_args(piece: fx.GraphModule, args) -> tuple[list, list]:
     return list(rows), list(consts)
 
 
+def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, cfg: ReplayConfig) -> None:
+    """An op that reads per-step state (tagged ``cudagraph_unsafe``) must be a splitting op
+    when pieces are captured. The boundary markers are exempt: a graphed step runs them
+    as the identity they are in compiled models; so is the trim op, a splitting op."""
+    found = step_dependent_ops(gm, cfg.splitting_ops, torch_compat.step_dependent_tags(), frozenset((BEGIN, END, TRIM)))
+    if found:
+        raise ValueError(f"option splitting_ops: {', '.join(found)} read(s) per-step state (tagged cudagraph_unsafe) "
+                         "but would be captured inside a graph piece: add them to splitting_ops, or run with "
+                         "cudagraph_mode='none'")
+
+
 def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
           cache: PieceCache | None = None, dp_group=None) -> CompiledReplayModel:
+    if cfg.decoder_replay and (marked := marked_window(gm)) is not None:
+        # Before anything else: the first graph must refuse a threshold the window makes
+        # useless, even where this graph could not trim (e.g. one traced with static shapes).
+        cfg.check_window(marked)
     cache = cache if cache is not None else PieceCache()
     before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
     fake_mode = torch_compat.detect_fake_mode(example_inputs)
@@ -176,6 +192,12 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     if region is not None:
         cfg.check_window(window)
 
+    if main_sizes:
+        _refuse_step_dependent_in_graphs(gm, cfg)
+    if main_sizes and (why := padding_unsafe(gm, cfg.splitting_ops)) is not None:
+        res.fallback("main_graphs_padding_unsafe",
+                     f"steps run without main graphs, which would pad them: {why}")
+        main_sizes = []
     main_level = GraphLevel("main", main_sizes)
     split, main_infos = split_at_ops(gm, cfg.splitting_ops, TRIM if region is not None else None)
     replay = None
@@ -183,6 +205,8 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     replay_sizes = cfg.replay_capture_sizes(window) if region is not None and graphs else []
     if region is not None:
         rsplit, replay_infos = split_at_ops(region.graph, cfg.splitting_ops)
+        if replay_sizes or main_sizes:  # the region's pieces are captured at these sizes
+            _refuse_step_dependent_in_graphs(region.graph, cfg)
         below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
             if cfg.cudagraph_decoder_replay else main_sizes
         rlevel = GraphLevel("replay", [*replay_sizes, *below])  # sorted and deduplicated there

@@ -24,6 +24,7 @@ import torch
 
 from . import torch_compat
 from .forward_context import get_forward_context, has_forward_context
+from .passes.row_local import declare_row_local
 
 BEGIN_OP = "dsv41_replay::replay_begin"
 END_OP = "dsv41_replay::replay_end"
@@ -67,6 +68,11 @@ def _replay_end(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 @_replay_end.register_fake
 def _(xs):
     return [torch.empty_like(x) for x in xs]
+
+
+# In compiled steps the markers are the identity (the backend replaces them where it
+# trims), so they are row-local where they stay: in a graph whose region was refused.
+declare_row_local(BEGIN_OP, END_OP)
 
 
 def replay_begin(*tensors: torch.Tensor, window: int) -> tuple[torch.Tensor, ...]:

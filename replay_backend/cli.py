@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import bench
+from . import bench, torch_compat
 from .backend import ReplayBackend
 from .batch_spec import parse_batch_spec
 from .cli_options import parse_options
@@ -46,7 +46,6 @@ def cmd_demo(args) -> int:
     print(f"model   : DSv4.1-mini preset {name!r}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"window {cfg.window}, KV sources {list(cfg.kv_source_layer_ids)}, replay layers "
           f"{cfg.replay_layers.start}..{cfg.replay_layers.stop - 1}; {device}, {dtype}")
-    model = build_model(cfg, device, dtype)
     reqs = parse_batch_spec(args.batch)
     opts = parse_options(args.option)
     if device == "cpu":
@@ -56,6 +55,8 @@ def cmd_demo(args) -> int:
                          ("decoder_replay_trim_threshold", 256)):
             opts.setdefault(key, val)
     cfg_b = ReplayConfig.from_options(opts)
+    check_step(reqs, cfg_b, cfg.window, args.max_model_len)
+    model = build_model(cfg, device, dtype)
     kw = dict(max_num_seqs=len(reqs), max_model_len=args.max_model_len)
     runners = {"off": StepRunner(model, **kw), "parent": StepRunner(model, **kw),
                "replay": StepRunner(model, backend=ReplayBackend(cfg_b), **kw)}
@@ -95,9 +96,23 @@ def _model_for(args):
     return build_model(preset(name), device, dtype), device, name
 
 
+def check_step(reqs, cfg: ReplayConfig, window: int, max_model_len: int) -> None:
+    """What the step and the options must satisfy, checked before a model is built."""
+    if cfg.decoder_replay:
+        cfg.check_window(window)
+    tokens = sum(r.query_len for r in reqs)
+    if tokens > cfg.max_num_batched_tokens:
+        raise ValueError(f"--batch: the step has {tokens} tokens, more than max_num_batched_tokens="
+                         f"{cfg.max_num_batched_tokens}")
+    longest = max(r.seq_len for r in reqs)
+    if longest > max_model_len:
+        raise ValueError(f"--batch: sequence length {longest} exceeds --max-model-len={max_model_len}")
+
+
 def cmd_verify(args) -> int:
     reqs = parse_batch_spec(args.batch)
     cfg = ReplayConfig.from_options(parse_options(args.option))
+    check_step(reqs, cfg, preset(_device_defaults(args)[1]).window, args.max_model_len)
     model, device, name = _model_for(args)
     res = verify_step(model, reqs, cfg, capture=args.capture_all, tolerance=args.tolerance)
     if args.json:
@@ -120,6 +135,8 @@ def cmd_inspect(args) -> int:
         opts["debug_dump_path"] = args.dump
     cfg = ReplayConfig.from_options(opts)
     model, _, _ = _model_for(args)
+    if cfg.decoder_replay:  # before the trace, whose failure would be wrapped by Dynamo
+        cfg.check_window(model.cfg.window)
     backend = ReplayBackend(cfg)
     runner = StepRunner(model, backend=backend, max_num_seqs=1, max_model_len=2 * model.cfg.window)
     runner.run(runner.dummy_batch(model.cfg.window))  # one trace, no capture
@@ -148,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--option", action="append", metavar="KEY=VALUE")
     v.add_argument("--json", action="store_true")
     v.add_argument("--tolerance", type=float)
+    v.add_argument("--max-model-len", type=int, default=131072,
+                   help="the longest sequence a --batch request may reach (its caches are allocated)")
     v.add_argument("--capture-all", action="store_true",
                    help="capture every graph size first (default: capture the sizes used, on first use)")
     v.set_defaults(fn=cmd_verify)
@@ -227,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ValueError as e:
-        print(f"replay-backend: error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - a user's error, however wrapped, is one line
+        err = torch_compat.user_error(e)
+        if err is None:
+            raise
+        print(f"replay-backend: error: {err}", file=sys.stderr)
         return 2
 
 

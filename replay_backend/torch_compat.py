@@ -90,6 +90,18 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, mode: str |
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def user_error(exc: BaseException) -> ValueError | None:
+    """The ValueError (bad options, a bad step) inside ``exc``: Dynamo wraps what a
+    backend raises (``BackendCompilerFailed.inner_exception``), Python chains causes."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ValueError):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+    return None
+
+
 def step_dependent_tags() -> tuple:
     """Tags for ops that read per-step host state (the forward context): a CUDA graph
     must not capture them. Our backend never does (they are splitting or eager ops);

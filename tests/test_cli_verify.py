@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -40,3 +41,28 @@ def test_verify_exit_code_follows_the_comparison(monkeypatch, capsys):
 def test_verify_bad_option_names_the_key(capsys):
     assert cli.main(["verify", "--batch", "p:3", "--option", "no_such_key=1"]) == 2
     assert "no_such_key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["verify", "--batch", "p:20", "--option", "decoder_replay_trim_threshold=100"],
+     r"option decoder_replay_trim_threshold: 100 must exceed the sliding window W=128"),
+    (["demo", "--option", "decoder_replay_trim_threshold=64"], r"decoder_replay_trim_threshold: 64"),
+    (["verify", "--batch", "d:1/1000000000"], r"sequence length 1000000000 exceeds --max-model-len=131072"),
+    (["verify", "--batch", "p:99999999999999999999"], r"query_len=99999999999999999999 is beyond the limit"),
+    (["verify", "--batch", "p:9000,p:9000"], r"18000 tokens, more than max_num_batched_tokens=16384"),
+])
+def test_bad_options_and_specs_are_one_line_and_exit_2_before_any_model_is_built(argv, match, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("replay-backend: error: "), err
+    assert re.search(match, err[0]), err[0]
+
+
+def test_inspect_refuses_a_threshold_within_the_window_before_tracing(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "ReplayBackend", lambda *a, **k: pytest.fail("a backend was built"))
+    assert cli.main(["inspect", "--option", "decoder_replay_trim_threshold=128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["replay-backend: error: option decoder_replay_trim_threshold: 128 must exceed the sliding "
+                   "window W=128 (smaller graphs have nothing to trim)"], err
+

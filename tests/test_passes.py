@@ -8,6 +8,8 @@ replay batch is observable.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from replay_backend.boundary import replay_begin, replay_end
 from replay_backend.counters import counters
 from replay_backend.forward_context import ForwardContext, get_forward_context, set_forward_context
 from replay_backend.kv_cache import CacheLayout
+from replay_backend.passes.row_local import declare_row_local
 from replay_backend.passes.region import (ReplayRegionError, extract_replay_region,
                                           find_markers)
 
@@ -406,6 +409,51 @@ def test_region_ops_along_tokens_are_not_row_local(body):
         extract(trace(region_fn(body)))
 
 
+@torch.library.custom_op("toytest::rowmix", mutates_args=())
+def toy_rowmix(h: torch.Tensor) -> torch.Tensor:
+    return h + h.mean(0)
+
+
+@toy_rowmix.register_fake
+def _(h):
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op("toytest::rowscale", mutates_args=())
+def toy_rowscale(h: torch.Tensor) -> torch.Tensor:
+    return h * 2
+
+
+@toy_rowscale.register_fake
+def _(h):
+    return torch.empty_like(h)
+
+
+declare_row_local("toytest::rowscale")
+CONV = torch.randn(H, H, 3)
+HOLES = {
+    "shift by one row": (lambda h, p: torch.nn.functional.pad(h[:-1], (0, 0, 1, 0)), "changes the number of rows"),
+    "conv1d over tokens": (lambda h, p: torch.nn.functional.conv1d(h.t()[None], CONV, padding=1)[0].t(),
+                           "conv1d) is not known to be row-local"),
+    "an undeclared custom op": (lambda h, p: torch.ops.toytest.rowmix(h),
+                                "toytest::rowmix) is not known to be row-local: declare it"),
+    "one row picked": (lambda h, p: h * h[0], "reduces over the token dimension"),
+    "rows reshaped into features": (lambda h, p: h.reshape(-1, 2 * H).reshape(-1, H), "reshape (reshape)"),
+    "every other row": (lambda h, p: torch.cat([h[::2], h[1::2]]), "changes the number of rows"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOLES))
+def test_ops_not_known_row_local_are_refused_by_name(name):
+    body, match = HOLES[name]
+    with pytest.raises(ReplayRegionError, match=re.escape(match)):
+        extract(trace(region_fn(body)))
+
+
+def test_a_custom_op_declared_row_local_is_accepted():
+    assert extract(trace(region_fn(lambda h, p: torch.ops.toytest.rowscale(h) + p[:, None]))) is not None
+
+
 def test_forbidden_op_in_region():
     def body(h, p):
         out = torch.empty_like(h)
@@ -433,18 +481,23 @@ def test_region_input_not_indexed_by_token():
 # Through the backend: an unsupported region switches the feature off
 # --------------------------------------------------------------------------------------
 def _mix_tokens(h):
-    # Not row-local (row i reads rows 0..i), but blind to trailing pad rows, so the
-    # whole-batch result of a padded PIECEWISE step still equals the eager model's.
+    # Not row-local (row i reads rows 0..i)
     return h.cumsum(0) * 0.1
 
 
-def test_unsupported_region_switches_replay_off():
-    model = Toy(4, 1, region_body=_mix_tokens).eval()
+@pytest.mark.parametrize("body", [_mix_tokens, lambda h: h - h.mean(0) * 0.5],
+                         ids=["cumsum over tokens", "mean over tokens (pad rows would move it)"])
+def test_unsupported_region_switches_replay_off_and_main_graphs_too(body):
+    """A region that mixes rows cannot be trimmed, and in the main graph it cannot be
+    padded either: steps run without graphs, on exactly their rows, like the eager model."""
+    model = Toy(4, 1, region_body=body).eval()
     be = toy_backend()
     compiled = torch.compile(model, backend=be, fullgraph=True)
-    with counters.expect(strict=False, fallbacks={"replay_region_unsupported": 1}, trims=0, untrimmed=0):
+    with counters.expect(strict=False, fallbacks={"replay_region_unsupported": 1, "main_graphs_padding_unsafe": 1},
+                         trims=0, untrimmed=0):
         ctx, y, ref, b = run_step(compiled, model, STEPS[0][0])
     plan = be.model.plan
+    assert ctx.step.kind == "eager" and plan.capture_sizes == []
     assert plan.replay_off_reason is not None and "not row-local" in plan.replay_off_reason
     assert "replay" not in plan.pieces_by_kind("main") and plan.replay_pieces == []
     assert plan.replay_layers is None
@@ -466,3 +519,25 @@ def test_unsupported_region_with_strict_raises():
     assert isinstance(e.value, StrictFallbackError) or "StrictFallbackError" in str(e.value)
     assert "replay_region_unsupported" in str(e.value)
     assert "not row-local" in str(e.value)
+
+
+@pytest.mark.parametrize("cudagraph_mode, refused", [("piecewise", True), ("none", False)])
+def test_a_step_dependent_op_left_out_of_splitting_ops_is_refused_when_pieces_are_captured(
+        model, fresh_dynamo, cudagraph_mode, refused):
+    """The KV sources' attention reads the step's metadata: inside a captured piece it
+    would replay the first step's. Without graphs the pieces run per step, so it may."""
+    from replay_backend import RequestChunk, StepRunner
+    from replay_backend.backend import ReplayBackend
+    from replay_backend.torch_compat import user_error
+
+    be = ReplayBackend(compiler="eager", cudagraph_mode=cudagraph_mode, max_cudagraph_capture_size=64,
+                       decoder_replay_trim_threshold=32,
+                       splitting_ops=["dsv41::swa_attention", "dsv41::global_attention"])
+    runner = StepRunner(model, max_model_len=256, backend=be)
+    if not refused:
+        runner.step([RequestChunk("a", 20, 20)])
+        return
+    with pytest.raises(Exception) as info:
+        runner.step([RequestChunk("a", 20, 20)])
+    err = str(user_error(info.value))
+    assert "option splitting_ops: dsv41::source_attention read(s) per-step state" in err, info.value

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..oplib import define_op
+from ..passes.row_local import declare_row_local
 from . import moe_triton, sinkhorn_triton
 from .attention_ops import rms_norm
 
@@ -72,6 +73,7 @@ def _sinkhorn_fake(logits, iters):
 
 sinkhorn_fused = define_op("dsv41::sinkhorn", "(Tensor logits, int iters) -> Tensor", _sinkhorn_fused,
                            _sinkhorn_fake)
+declare_row_local(sinkhorn_fused)  # each token's matrix alone
 
 
 def mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -271,3 +273,4 @@ moe_grouped = define_op("dsv41::moe_grouped",
                         "(Tensor x, Tensor top_w, Tensor top_i, Tensor w_gate_up, Tensor w_down, "
                         "Tensor expert_ids, bool kernels) -> Tensor",
                         _moe_grouped, _moe_grouped_fake)
+declare_row_local(moe_grouped)  # it sorts rows by expert, but each output row is its input row's
