@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import RequestChunk, kept_len
-from .compare import BAND_FACTOR, BF16_BAND, default_tolerance, max_abs_err, rel_l2
+from .bench_accuracy import REL_FLOOR, fp32_copy
+from .compare import BAND_FACTOR, default_tolerance, max_abs_err
 from .counters import counters
 from .runner import StepOutput, StepRunner
 
@@ -150,18 +151,24 @@ class SoakReport:
     seed: int
     steps: int
     dtype: str
-    measure: str  # "max |d|" (fp32) or "rel L2" (16-bit)
-    limit: float
+    measure: str  # "max |d|" (fp32), or the largest relative L2 of one row (16-bit)
+    limits: dict = field(default_factory=dict)  # per compared part
     kinds: Counter = field(default_factory=Counter)
     worst: dict = field(default_factory=dict)  # per compared part, the largest error seen
+    # 16-bit: per part, the largest error of the noise runner (the model with its
+    # embedding one rounding away) against the oracle: the rounding-noise envelope
+    noise: dict = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
     counters_moved: dict = field(default_factory=dict)
 
     def render(self) -> str:
-        lines = [f"soak: seed {self.seed}, {self.steps} steps, {self.dtype}, limit {self.measure} <= {self.limit:g}",
-                 "step kinds:"]
+        lines = [f"soak: seed {self.seed}, {self.steps} steps, {self.dtype}, {self.measure}", "step kinds:"]
         lines += [f"  {n:5d}  {k}" for k, n in sorted(self.kinds.items())]
-        lines.append("largest error per part: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(self.worst.items())))
+        lines.append("per part, largest error / limit: " + ", ".join(
+            f"{k} {v:.3g} / {self.limits.get(k, float('nan')):.3g}" for k, v in sorted(self.worst.items())))
+        if self.noise:
+            lines.append("rounding-noise envelope per part: " + ", ".join(
+                f"{k} {v:.3g}" for k, v in sorted(self.noise.items())))
         lines.append(f"counters moved while serving: {self.counters_moved or 'none'}")
         lines += [f"MISMATCH step {m.step} [{m.kind}] {m.spec}: {m.what} {m.err:.3g}" for m in self.mismatches]
         lines.append(f"{len(self.mismatches)} mismatches")
@@ -195,41 +202,83 @@ def written_slots(caches, chunks: list[RequestChunk], batch, kept_only: bool = T
 
 
 class Soak:
-    """Runs the traffic through ``runner`` (compiled, captured, serving) and ``oracle``."""
+    """Runs the traffic through ``runner`` (compiled, captured, serving) and ``oracle``.
 
-    def __init__(self, runner: StepRunner, oracle: StepRunner, traffic: Traffic, seed: int) -> None:
-        self.runner, self.oracle, self.traffic = runner, oracle, traffic
+    fp32 models compare max |d| with ``default_tolerance``. A 16-bit model's rounding
+    noise depends on the step, so a 16-bit soak also runs every step through ``noise``,
+    the oracle's model with its embedding one rounding away, and measures each part by
+    its worst row (relative L2, so one wrong row is not averaged away). A step fails
+    when the compiled runner is more than ``BAND_FACTOR`` times the largest noise the
+    whole run showed for that part away from the oracle."""
+
+    def __init__(self, runner: StepRunner, oracle: StepRunner, traffic: Traffic, seed: int,
+                 noise: StepRunner | None = None) -> None:
+        self.runner, self.oracle, self.traffic, self.noise = runner, oracle, traffic, noise
         dtype = runner.dtype
         self.exact = dtype in (torch.float32, torch.float64)
-        self.limit = default_tolerance(dtype) if self.exact else BAND_FACTOR * BF16_BAND
-        self.report = SoakReport(seed, 0, str(dtype).replace("torch.", ""), "max |d|" if self.exact else "rel L2",
-                                 self.limit)
+        if not self.exact and noise is None:
+            raise ValueError(f"a {dtype} soak needs a noise runner (the model with its embedding one rounding away)")
+        self.tolerance = default_tolerance(dtype) if self.exact else None
+        self.report = SoakReport(seed, 0, str(dtype).replace("torch.", ""),
+                                 "max |d|" if self.exact else "worst row's relative L2")
+        self._steps: list[tuple[int, str, str, dict]] = []  # 16-bit: judged once the envelope is known
 
     def _err(self, got: torch.Tensor, want: torch.Tensor) -> float:
         if got.numel() == 0:
             return 0.0
-        return max_abs_err(got, want) if self.exact else rel_l2(got, want)
+        if self.exact:
+            return max_abs_err(got, want)
+        rows = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+        return rows.max().item()
+
+    def _compare(self, got: StepOutput, want: StepOutput, runner: StepRunner, chunks) -> dict[str, float]:
+        errs = {"logits": self._err(got.logits.float(), want.logits.float())}
+        if not torch.isfinite(got.logits).all():
+            errs["logits"] = float("inf")
+        mine = written_slots(runner.kv, chunks, got.batch)
+        theirs = written_slots(self.oracle.kv, chunks, want.batch)
+        for part in mine:
+            a = [t.index_select(0, s).float() for t, s in mine[part]]
+            b = [t.index_select(0, s).float() for t, s in theirs[part]]
+            errs[part] = self._err(torch.cat(a), torch.cat(b)) if a else 0.0
+        return errs
+
+    def _sync(self, runner: StepRunner, got: StepOutput, want: StepOutput, chunks) -> None:
+        """Every slot the step wrote takes the oracle's value, trimmed rows included."""
+        everything = zip(written_slots(runner.kv, chunks, got.batch, kept_only=False).values(),
+                         written_slots(self.oracle.kv, chunks, want.batch, kept_only=False).values())
+        for mine_part, theirs_part in everything:
+            for (mine_t, slots), (theirs_t, _) in zip(mine_part, theirs_part):
+                mine_t.index_copy_(0, slots, theirs_t.index_select(0, slots))
 
     def run(self, steps: int, log=None, every: int = 50, max_seconds: float | None = None) -> SoakReport:
         """``steps`` steps, or fewer where ``max_seconds`` run out first; ``log`` (e.g.
-        ``print``) hears of every mismatch when it happens and of progress every
-        ``every`` steps, so a run stopped from outside has told what it saw."""
+        ``print``) hears of progress every ``every`` steps and of every fp32 mismatch
+        when it happens (16-bit ones once the run's noise envelope is known), so a run
+        stopped from outside has told what it saw."""
         before = counters.state()
         t0 = time.perf_counter()
+        rep = self.report
         for i in range(steps):
             if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
                 break
-            seen = len(self.report.mismatches)
+            seen = len(rep.mismatches)
             self.one(i)
             if log is not None:
-                for m in self.report.mismatches[seen:]:
+                for m in rep.mismatches[seen:]:
                     log(f"MISMATCH step {m.step} [{m.kind}] {m.spec}: {m.what} {m.err:.3g}")
                 if (i + 1) % every == 0:
-                    log(f"step {i + 1}: {time.perf_counter() - t0:.0f} s, {len(self.report.mismatches)} mismatches, "
-                        f"largest error {max(self.report.worst.values()):.3g}")
-        self.report.counters_moved = {k: v for k, v in counters.moved_since(before).items()
-                                      if k in ("fallbacks", "recompiles", "captures", "graphs_seen", "compilations")}
-        return self.report
+                    noise = f" (noise envelope {max(rep.noise.values()):.3g})" if rep.noise else ""
+                    log(f"step {i + 1}: {time.perf_counter() - t0:.0f} s, {len(rep.mismatches)} mismatches, "
+                        f"largest error {max(rep.worst.values()):.3g}{noise}")
+        if not self.exact:
+            rep.limits = {part: BAND_FACTOR * max(env, REL_FLOOR) for part, env in rep.noise.items()}
+            for i, spec, kind, errs in self._steps:
+                rep.mismatches += [Mismatch(i, spec, kind, part, err) for part, err in errs.items()
+                                   if not err <= rep.limits[part]]
+        rep.counters_moved = {k: v for k, v in counters.moved_since(before).items()
+                              if k in ("fallbacks", "recompiles", "captures", "graphs_seen", "compilations")}
+        return rep
 
     def one(self, i: int) -> None:
         chunks = self.traffic.step()
@@ -239,28 +288,24 @@ class Soak:
         rep = self.report
         rep.steps += 1
         rep.kinds[kind] += 1
-        errs = {"logits": self._err(got.logits, want.logits)}
-        mine = written_slots(self.runner.kv, chunks, got.batch)
-        theirs = written_slots(self.oracle.kv, chunks, want.batch)
-        for part in mine:
-            a = [t.index_select(0, s).float() for t, s in mine[part]]
-            b = [t.index_select(0, s).float() for t, s in theirs[part]]
-            errs[part] = self._err(torch.cat([x.flatten() for x in a]), torch.cat([x.flatten() for x in b])) \
-                if a else 0.0
-        if not torch.isfinite(got.logits).all():
-            errs["logits"] = float("inf")
+        errs = self._compare(got, want, self.runner, chunks)
         for part, err in errs.items():
             rep.worst[part] = max(rep.worst.get(part, 0.0), err)
-            if not err <= self.limit:
-                rep.mismatches.append(Mismatch(i, spec_of(chunks), kind, part, err))
-        everything = zip(written_slots(self.runner.kv, chunks, got.batch, kept_only=False).values(),
-                         written_slots(self.oracle.kv, chunks, want.batch, kept_only=False).values())
-        for mine_part, theirs_part in everything:
-            for (mine_t, slots), (theirs_t, _) in zip(mine_part, theirs_part):
-                mine_t.index_copy_(0, slots, theirs_t.index_select(0, slots))
+        if self.exact:
+            rep.limits = dict.fromkeys(errs, self.tolerance)
+            rep.mismatches += [Mismatch(i, spec_of(chunks), kind, part, err) for part, err in errs.items()
+                               if not err <= self.tolerance]
+        else:
+            ref = self.noise.step(chunks)
+            for part, err in self._compare(ref, want, self.noise, chunks).items():
+                rep.noise[part] = max(rep.noise.get(part, 0.0), err)
+            self._steps.append((i, spec_of(chunks), kind, errs))
+            self._sync(self.noise, ref, want, chunks)
+        self._sync(self.runner, got, want, chunks)
         for req_id in self.traffic.advance(chunks):
-            self.runner.free(req_id)
-            self.oracle.free(req_id)
+            for runner in (self.runner, self.oracle, self.noise):
+                if runner is not None:
+                    runner.free(req_id)
 
 
 def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len: int = 8192,
@@ -283,4 +328,9 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
                       max_num_batched_tokens=max_num_batched_tokens, window=model.cfg.window,
                       trim_threshold=cfg.decoder_replay_trim_threshold,
                       max_capture_size=max(cfg.capture_sizes() or [0]))
-    return Soak(runner, StepRunner(model, **kw), traffic, seed).run(steps, log, max_seconds=max_seconds)
+    noise = None
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float32, torch.float64):
+        # The embedding one rounding away: scaled by 1 +- eps in fp32, then rounded back.
+        noise = StepRunner(fp32_copy(model, seed, torch.finfo(dtype).eps).to(dtype), **kw)
+    return Soak(runner, StepRunner(model, **kw), traffic, seed, noise).run(steps, log, max_seconds=max_seconds)

@@ -49,8 +49,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "device": args.device, "seed": report.seed, "steps": report.steps,
-                       "dtype": report.dtype, "limit": report.limit, "kinds": dict(report.kinds),
-                       "worst": report.worst, "counters_moved": report.counters_moved,
+                       "dtype": report.dtype, "measure": report.measure, "limits": report.limits,
+                       "kinds": dict(report.kinds), "worst": report.worst, "noise": report.noise, "counters_moved": report.counters_moved,
                        "mismatches": [vars(m) for m in report.mismatches]}, f, indent=2)
     return 1 if report.mismatches or report.counters_moved.get("fallbacks") else 0
 

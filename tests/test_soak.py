@@ -68,3 +68,31 @@ def test_written_slots_follow_the_cache_layout(model):
     assert by_ratio[1] == swa and by_ratio[2] == [p // 2 for p in range(31, 50, 2)]
     assert spec_of(chunks + [RequestChunk("b", 1, 9), RequestChunk("c", 40, 40, keep_all=True)]) == \
         "p:20/50,d:1/9,k:40/40"
+
+
+def test_a_16_bit_soak_measures_its_noise_and_still_sees_one_wrong_row(model):
+    """bf16: each part is judged against the run's rounding-noise envelope (the model
+    with its embedding one rounding away), by its worst row, so one wrong row stands out."""
+    from replay_backend.bench_accuracy import fp32_copy
+
+    m16 = fp32_copy(model).to(torch.bfloat16)
+    runner = StepRunner(m16, backend=ReplayBackend(**OPTS), **KW)
+    runner.capture()
+    traffic = Traffic(8, max_num_seqs=6, max_model_len=256, max_num_batched_tokens=128, window=m16.cfg.window,
+                      trim_threshold=32, max_capture_size=64)
+    noise = StepRunner(fp32_copy(m16, 8, torch.finfo(torch.bfloat16).eps).to(torch.bfloat16), **KW)
+    soak = Soak(runner, StepRunner(m16, **KW), traffic, 8, noise)
+    step = soak.runner.step
+
+    def corrupt_step_5(chunks):
+        out = step(chunks)
+        if soak.report.steps == 5:
+            slot = written_slots(soak.runner.kv, chunks, out.batch)["swa-replay"][-1][1][-1]
+            soak.runner.kv.swa[-1][slot] *= -1
+        return out
+
+    soak.runner.step = corrupt_step_5
+    report = soak.run(16)
+    assert all(0 < v < 0.2 for v in report.noise.values()), report.noise
+    assert [(m.step, m.what) for m in report.mismatches] == [(5, "swa-replay")], report.render()
+    assert set(report.limits) == set(report.noise) and "worst row's relative L2" in report.render()
