@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: install without network, GPU tests, then the benchmark.
 # usage: bash scripts/gpu_run.sh OUTDIR [bench args...]
-# env: SKIP_TESTS=1, TEST_TIMEOUT=s, ACCURACY_PROBE="accuracy_probe.py args", PROBE_TIMEOUT=s,
+# env: SKIP_TESTS=1, TEST_TIMEOUT=s, SOAK="soak.py args", SOAK_TIMEOUT=s,
+#      ACCURACY_PROBE="accuracy_probe.py args", PROBE_TIMEOUT=s,
 #      TRIM_PROBES=1 (row_moves_probe.py, graph_launch_probe.py, trim_probe.py on both trim paths and
 #      at 4K, trim_op_python.py),
 #      FIRST_STEPS="first_steps_probe.py args" (Triton builds inside the first served steps),
@@ -14,6 +15,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rA -p no:warnings tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+fi
+if [ -n "${SOAK:-}" ]; then  # e.g. SOAK="--preset mini-1k --dtype float32 --steps 500 --max-seconds 300"
+    # shellcheck disable=SC2086  # the variable holds several arguments
+    timeout "${SOAK_TIMEOUT:-540}" python3 scripts/soak.py $SOAK --json "$out/soak.json" 2>&1 | tr '\r' '\n' \
+        | grep -v -e "graphs: " -e '^ *$' -e 'warn' | tee "$out/soak.log" | tail -30
 fi
 if [ -n "${ACCURACY_PROBE:-}" ]; then  # e.g. ACCURACY_PROBE="--layers 4,21,40 --isl 1024,4096"
     # shellcheck disable=SC2086  # the variable holds several arguments
