@@ -132,6 +132,8 @@ def test_capture_memory_is_about_one_step_and_matches_the_estimate(model):
     assert 0.5 * est.total_gib <= took <= 1.5 * est.total_gib + 0.125, (summary, est)
     for reqs in ([RequestChunk("a", 900, 900)], [RequestChunk("a", 300, 300), RequestChunk("b", 1, 40)],
                  [RequestChunk("a", 130, 130), RequestChunk("b", 100, 100), RequestChunk("c", 37, 37)]):
+        for r in (runner, oracle):
+            r.prefill_context(reqs, forward=model)
         got, want = runner.step(reqs), oracle.step(reqs)
         assert got.step.kind == "piecewise"
         assert agree(got, want, runner, oracle, None), reqs
@@ -260,6 +262,7 @@ def test_step_metadata_copies_do_not_wait_for_the_device():
     from replay_backend.step_metadata import MetadataBuffer, to_device
 
     runner = StepRunner(build_model(CFG, "cuda", torch.bfloat16), max_model_len=512)
+    runner.prefill_context(COMPOSITIONS[0])  # the cached context its decodes and chunks read
     a = torch.randn(8192, 8192, device="cuda")
     torch.cuda.synchronize()
     for _ in range(20):  # about 0.1 s of queued GPU work
