@@ -12,7 +12,7 @@ broadcasting that keeps the token dimensions aligned), shape ops that keep the t
 dimension whole, reductions and concatenations along other dimensions, contractions
 whose token dimension is not contracted, indexing that takes every row, the lookup
 of a weight by a token-indexed index (an embedding), and ops declared row-local with
-:func:`declare_row_local` (opaque ops that work on each row alone, such as a fused
+:func:`roles.declare_row_local` (opaque ops that work on each row alone, such as a fused
 per-token kernel). Splitting ops are checked by the caller's rules, not here.
 """
 from __future__ import annotations
@@ -24,12 +24,10 @@ import torch
 from torch import fx
 
 from .common import node_value, op_name, op_tags
+from .roles import OpRole, roles_of
 
 # The trim op reads the rows it is given and the step's own: padding is its concern.
 TRIM_OP = "dsv41_replay::trim_and_redispatch"
-# An attribute on an op's packet: the op works on each row alone.
-_ROW_LOCAL_ATTR = "_dsv41_replay_row_local"
-
 POINTWISE = frozenset({
     "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "neg", "pos", "pow", "abs",
     "exp", "exp2", "expm1", "log", "log2", "log1p", "sqrt", "rsqrt", "reciprocal", "square", "sign",
@@ -59,24 +57,8 @@ CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "linear", "einsum"})
 SIZES = frozenset({"aten::sym_size", "aten::sym_numel", "aten::sym_stride", "size", "dim", "numel", "stride"})
 
 
-def declare_row_local(*ops) -> None:
-    """Declare custom ops (``torch.ops.ns.name`` or ``"ns::name"``) that work on each row
-    alone, so that the row-locality analysis accepts them in the replay region and in
-    padded main graphs. The declaration lives on the op itself."""
-    for op in ops:
-        if isinstance(op, str):
-            ns, name = op.split("::")
-            op = getattr(getattr(torch.ops, ns), name)
-        if isinstance(op, torch._ops.OpOverload):
-            op = op.overloadpacket
-        if not isinstance(op, torch._ops.OpOverloadPacket):
-            raise ValueError(f"declare_row_local takes torch ops or 'namespace::name' strings, got {op!r}")
-        setattr(op, _ROW_LOCAL_ATTR, True)
-
-
 def declared_row_local(target) -> bool:
-    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
-    return isinstance(packet, torch._ops.OpOverloadPacket) and getattr(packet, _ROW_LOCAL_ATTR, False)
+    return OpRole.ROW_LOCAL in roles_of(target)
 
 
 def symbols(value) -> set:

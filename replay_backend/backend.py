@@ -15,6 +15,7 @@ from torch import fx
 
 from replay_backend.passes.common import is_op
 from replay_backend.passes.region import BEGIN, END, TRIM, ReplayRegionError, extract_replay_region, marked_window
+from replay_backend.passes.roles import OpRole, declared_in
 from replay_backend.passes.row_local import padding_unsafe
 from replay_backend.passes.split import live_across, split_at_ops, step_dependent_ops
 
@@ -22,7 +23,6 @@ from . import inspection, torch_compat
 from .config import ReplayConfig
 from .counters import counters
 from .piece_cache import PieceCache
-from .models.attention_ops import ATTENTION_OPS
 from .plan import SplitPlan
 from .runtime.compiled import CompiledReplayModel
 from .runtime.direct import CallLog
@@ -30,10 +30,6 @@ from .runtime.graphs import GraphLevel, GraphResources, PieceRunner
 from .runtime.trim_op import ReplayRuntime
 
 log = logging.getLogger("replay_backend")
-
-# Ops that write global KV: they must not appear after the cut.
-KV_SOURCE_OPS = ("dsv41::source_attention",)
-
 
 class ReplayBackend:
     def __init__(self, config: ReplayConfig | None = None, piece_cache: PieceCache | None = None,
@@ -150,14 +146,15 @@ def _trim_call_args(piece: fx.GraphModule, args) -> tuple[list, list]:
     return list(rows), list(consts)
 
 
-def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, cfg: ReplayConfig) -> None:
+def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, splitting: tuple[str, ...]) -> None:
     """An op that reads per-step state (tagged ``cudagraph_unsafe``) must be a splitting op
     when pieces are captured. The boundary markers are exempt: a graphed step runs them
     as the identity they are in compiled models; so is the trim op, a splitting op."""
-    found = step_dependent_ops(gm, cfg.splitting_ops, torch_compat.step_dependent_tags(), frozenset((BEGIN, END, TRIM)))
+    found = step_dependent_ops(gm, splitting, torch_compat.step_dependent_tags(), frozenset((BEGIN, END, TRIM)))
     if found:
         raise ValueError(f"option splitting_ops: {', '.join(found)} read(s) per-step state (tagged cudagraph_unsafe) "
-                         "but would be captured inside a graph piece: add them to splitting_ops, or run with "
+                         "but would be captured inside a graph piece: declare them attention ops "
+                         "(replay_backend.declare_attention), add them to splitting_ops, or run with "
                          "cudagraph_mode='none'")
 
 
@@ -177,12 +174,16 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     res = GraphResources(use_cuda=use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses)
     main_sizes = cfg.capture_sizes() if graphs else []
 
+    # Attention breaks and KV sources as the model declared them (passes/roles.py),
+    # unless the options name the splitting ops.
+    splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)
+    kv_sources = declared_in(gm, OpRole.KV_SOURCE)
     region, off_reason = None, None
     if not cfg.decoder_replay:
         off_reason = "decoder_replay=false"
     else:
         try:
-            region = extract_replay_region(gm, cfg.splitting_ops, KV_SOURCE_OPS)
+            region = extract_replay_region(gm, splitting, kv_sources)
             if region is None:
                 off_reason = "no replay boundary markers in the graph"
         except ReplayRegionError as e:
@@ -193,20 +194,20 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         cfg.check_window(window)
 
     if main_sizes:
-        _refuse_step_dependent_in_graphs(gm, cfg)
-    if main_sizes and (why := padding_unsafe(gm, cfg.splitting_ops)) is not None:
+        _refuse_step_dependent_in_graphs(gm, splitting)
+    if main_sizes and (why := padding_unsafe(gm, splitting)) is not None:
         res.fallback("main_graphs_padding_unsafe",
                      f"steps run without main graphs, which would pad them: {why}")
         main_sizes = []
     main_level = GraphLevel("main", main_sizes)
-    split, main_infos = split_at_ops(gm, cfg.splitting_ops, TRIM if region is not None else None)
+    split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None)
     replay = None
     replay_infos = []
     replay_sizes = cfg.replay_capture_sizes(window) if region is not None and graphs else []
     if region is not None:
-        rsplit, replay_infos = split_at_ops(region.graph, cfg.splitting_ops)
+        rsplit, replay_infos = split_at_ops(region.graph, splitting)
         if replay_sizes or main_sizes:  # the region's pieces are captured at these sizes
-            _refuse_step_dependent_in_graphs(region.graph, cfg)
+            _refuse_step_dependent_in_graphs(region.graph, splitting)
         below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
             if cfg.cudagraph_decoder_replay else main_sizes
         rlevel = GraphLevel("replay", [*replay_sizes, *below])  # sorted and deduplicated there
@@ -244,7 +245,8 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
             p.layers = replay_layers
     plan = SplitPlan(window, cfg.decoder_replay_trim_threshold,
                      [replay_layers[0], replay_layers[-1]] if replay_layers else None,
-                     main_sizes, replay_sizes, main_infos, replay_infos, off_reason, cfg.as_dict())
+                     main_sizes, replay_sizes, main_infos, replay_infos, off_reason,
+                     {**cfg.as_dict(), "splitting_ops": list(splitting)})
     log.info("dsv41_replay split plan:\n%s", plan.render())
     model = CompiledReplayModel(split, cfg, plan, main_level, replay, token_inputs, sym_inputs, res)
     model.sources = inspection.GraphSources(before_split, region.graph if region is not None else None)

@@ -7,8 +7,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .models.attention_ops import ATTENTION_OPS
-
 CUDAGRAPH_MODES = ("piecewise", "none")
 COMPILERS = ("inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -54,7 +52,9 @@ class ReplayConfig:
     trim_io_graphs: bool = True  # the trim op's gathers and scatter as graphs in graphed steps
     direct_dispatch: bool = True  # served steps call the compiled model without Dynamo's entry
     metadata_in_place: bool = True  # served steps' metadata at one address, read there by trim graphs
-    splitting_ops: tuple[str, ...] = ATTENTION_OPS
+    # None: the ops of the traced graph that the model declared attention ops
+    # (passes/roles.py); an explicit list overrides the declarations.
+    splitting_ops: tuple[str, ...] | None = None
     compiler: str = "inductor"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
@@ -130,7 +130,8 @@ class ReplayConfig:
             if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
                 bad("debug_dump_path", f"must be a directory path, got {path!r}")
             object.__setattr__(self, "debug_dump_path", os.fspath(path))
-        if not self.splitting_ops or not all(isinstance(o, str) and "::" in o for o in self.splitting_ops):
+        if self.splitting_ops is not None and (
+                not self.splitting_ops or not all(isinstance(o, str) and "::" in o for o in self.splitting_ops)):
             bad("splitting_ops", f"must be a non-empty list of 'namespace::op' names, got {self.splitting_ops!r}")
 
     # ---- derived --------------------------------------------------------------------

@@ -32,7 +32,7 @@ def test_defaults_match_the_spec():
     assert cfg.compiler == "inductor"
     assert cfg.cudagraph_decoder_replay is True and cfg.decoder_replay is True
     assert cfg.strict is False
-    assert tuple(cfg.splitting_ops) == tuple(ATTENTION_OPS)
+    assert cfg.splitting_ops is None  # the model's declared attention ops (passes/roles.py)
     sizes = cfg.capture_sizes()
     assert sizes == default_capture_sizes(1024)
     assert sizes[-1] == 1024
@@ -42,7 +42,8 @@ def test_defaults_match_the_spec():
     assert cfg.replay_capture_sizes(128) == [128, 256, 384, 512, 640, 768, 896, 1024]
     d = cfg.as_dict()
     assert d["decoder_replay_trim_threshold"] == 768 and d["compiler"] == "inductor"
-    assert isinstance(d["splitting_ops"], list)
+    assert d["splitting_ops"] is None
+    assert ReplayConfig.from_options({"splitting_ops": ["a::b"]}).as_dict()["splitting_ops"] == ["a::b"]
 
 
 def test_max_capture_size_follows_explicit_sizes_and_token_budget():
@@ -261,3 +262,18 @@ def test_torch_compile_refuses_a_threshold_within_the_window_on_its_first_call(m
     err = torch_compat.user_error(info.value)
     assert err is not None and "option decoder_replay_trim_threshold: 16 must exceed the sliding window W=16" \
         in str(err), info.value
+
+
+def test_default_splitting_ops_are_the_attention_ops_the_model_declared(model, fresh_dynamo):
+    """No splitting_ops option: the backend splits at the ops the model declared
+    attention ops (``declare_attention``), and the plan names them."""
+    from replay_backend import RequestChunk, ReplayBackend, StepRunner
+    from replay_backend.passes.roles import OpRole, roles_of
+
+    assert roles_of(torch.ops.dsv41.source_attention) == {OpRole.ATTENTION, OpRole.KV_SOURCE}
+    assert roles_of(torch.ops.dsv41.swa_attention.default) == {OpRole.ATTENTION}
+    be = ReplayBackend(compiler="eager", cudagraph_mode="none")
+    StepRunner(model, max_model_len=128, backend=be).step([RequestChunk("a", 20, 20)])
+    plan = be.model.plan
+    assert sorted(plan.config["splitting_ops"]) == sorted(ATTENTION_OPS)
+    assert plan.pieces_by_kind("main")["attention"] == 4 and plan.replay_layers == [4, 7]

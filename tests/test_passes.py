@@ -21,7 +21,7 @@ from replay_backend.boundary import replay_begin, replay_end
 from replay_backend.counters import counters
 from replay_backend.forward_context import ForwardContext, get_forward_context, set_forward_context
 from replay_backend.kv_cache import CacheLayout
-from replay_backend.passes.row_local import declare_row_local
+from replay_backend.passes.roles import declare_row_local
 from replay_backend.passes.region import (ReplayRegionError, extract_replay_region,
                                           find_markers)
 
@@ -507,6 +507,25 @@ def test_unsupported_region_switches_replay_off_and_main_graphs_too(body):
     ctx, y, ref, b = run_step(compiled, model, STEPS[2][0], seed=3)  # an eager step
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     assert ctx.last_trim is None
+
+
+def test_a_kv_source_the_model_declared_after_the_cut_switches_replay_off():
+    """The backend knows KV sources only from the model's declarations (no op names of
+    its own): a declared one inside the region is refused with its name."""
+    from replay_backend.passes.roles import declare_attention
+
+    declare_attention(TOY_SRC, kv_source=True)
+
+    def write_global_kv(h):
+        out = torch.empty_like(h)
+        torch.ops.toytest.src(h, out)
+        return out
+
+    be = toy_backend(splitting_ops=[TOY_ATTN, TOY_SRC])
+    model = Toy(4, 1, region_body=write_global_kv).eval()
+    with counters.expect(strict=False, fallbacks={"replay_region_unsupported": 1}):
+        run_step(torch.compile(model, backend=be, fullgraph=True), model, STEPS[0][0])
+    assert "KV source op toytest.src at src lies after the cut" in be.model.plan.replay_off_reason
 
 
 def test_unsupported_region_with_strict_raises():

@@ -18,6 +18,7 @@ from .. import torch_compat
 from ..batch import ATTN_BLOCKS, attn_row_blocks
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
+from ..passes.roles import declare_attention
 from ..step_metadata import to_device
 from . import attention_triton, cache_triton
 
@@ -218,3 +219,5 @@ ATTENTION_OPS = (
     "dsv41::global_attention",
     "dsv41::source_attention",
 )
+declare_attention(swa_attention, global_attention)
+declare_attention(source_attention, kv_source=True)  # its compressor writes the global KV

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..oplib import define_op
-from ..passes.row_local import declare_row_local
+from ..passes.roles import declare_row_local
 from . import moe_triton, sinkhorn_triton
 from .attention_ops import rms_norm
 

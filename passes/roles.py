@@ -1,0 +1,85 @@
+"""What a model's custom ops are to the backend, declared by the model on the ops.
+
+The backend imports no model, so a model tells it which of its ops play a part:
+
+* ``ATTENTION``: an attention break. It stays eager between the graph pieces, reads
+  the step's metadata, and writes into an out-argument (SPEC §7). These are the default
+  ``splitting_ops``.
+* ``KV_SOURCE``: an attention op that also writes KV which later layers read; none may
+  follow the decoder-replay cut.
+* ``ROW_LOCAL``: an opaque op that works on each row alone (a fused per-token kernel,
+  a MoE that sorts rows internally), accepted by the row-locality analysis.
+
+Ops that read per-step state need no declaration here: they carry
+``torch.Tag.cudagraph_unsafe`` (``torch_compat.step_dependent_tags``), and the backend
+refuses them inside captured pieces.
+
+A declaration is an attribute on the op's packet, so it travels with the op and no
+registry holds state.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import fx
+
+from .common import op_name
+
+
+class OpRole(enum.Enum):
+    ATTENTION = "attention"
+    KV_SOURCE = "kv_source"
+    ROW_LOCAL = "row_local"
+
+
+_ATTR = "_dsv41_replay_roles"
+
+
+def _packet(op):
+    if isinstance(op, str):
+        if "::" not in op:
+            raise ValueError(f"an op name is 'namespace::name', got {op!r}")
+        ns, name = op.split("::", 1)
+        op = getattr(getattr(torch.ops, ns), name)
+    if isinstance(op, torch._ops.OpOverload):
+        op = op.overloadpacket
+    if not isinstance(op, torch._ops.OpOverloadPacket):
+        raise ValueError(f"expected a torch op (torch.ops.ns.name) or a 'namespace::name' string, got {op!r}")
+    return op
+
+
+def declare(op, *roles: OpRole) -> None:
+    packet = _packet(op)
+    setattr(packet, _ATTR, frozenset(getattr(packet, _ATTR, frozenset())) | frozenset(roles))
+
+
+def declare_attention(*ops, kv_source: bool = False) -> None:
+    """Declare attention ops (``torch.ops.ns.name`` or ``"ns::name"``): eager breaks
+    between graph pieces, the default ``splitting_ops``; with ``kv_source`` they also
+    write KV that later layers read, so they must not follow the replay cut."""
+    for op in ops:
+        declare(op, OpRole.ATTENTION, *((OpRole.KV_SOURCE,) if kv_source else ()))
+
+
+def declare_row_local(*ops) -> None:
+    """Declare custom ops that work on each row alone, so that the row-locality analysis
+    accepts them in the replay region and in padded main graphs."""
+    for op in ops:
+        declare(op, OpRole.ROW_LOCAL)
+
+
+def roles_of(target) -> frozenset:
+    """The roles declared for the op a node calls (empty for anything else)."""
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    return getattr(target, _ATTR, frozenset()) if isinstance(target, torch._ops.OpOverloadPacket) else frozenset()
+
+
+def declared_in(gm: fx.GraphModule, role: OpRole) -> tuple[str, ...]:
+    """The ``namespace::name`` of every op in ``gm`` declared with ``role``, in order."""
+    names: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and role in roles_of(node.target):
+            names[op_name(node.target)] = None
+    return tuple(names)
