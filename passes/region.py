@@ -150,12 +150,16 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region
     g = gm.graph
     with g.inserting_before(begin):
         size = g.call_function(torch.ops.aten.sym_size.int, (row_inputs[0], 0))
+        size.meta["example_value"] = n0
         outs = []
         for x in end_inputs:
             v = node_value(x)
             rest = [int(s) for s in v.shape[1:]]
             outs.append(g.call_function(torch.empty, ((size, *rest),),
                                         {"dtype": v.dtype, "device": v.device}))
+            # The value the later passes see (row-locality, splitting): the step's rows,
+            # shaped as the region's output
+            outs[-1].meta["example_value"] = v
         trim = g.call_function(torch.ops.dsv41_replay.trim_and_redispatch.default,
                                (row_inputs, consts, outs, region_id))
     for user in list(end.users):

@@ -36,12 +36,12 @@ POINTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "and_", "or_", "xor",
     "invert", "bitwise_and", "bitwise_or", "bitwise_not", "float", "double", "half", "bfloat16", "int",
     "long", "bool", "to", "type", "type_as", "clone", "contiguous", "detach", "nan_to_num",
-    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "rand_like", "randn_like", "dropout", "alpha_dropout", "polar",
     "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "copy_", "fill_", "zero_",
 })
 # Shape ops that move or split dimensions but keep the token dimension whole.
 MOVES = frozenset({"unsqueeze", "squeeze", "transpose", "permute", "t", "expand", "expand_as", "movedim",
-                   "swapaxes", "swapdims", "broadcast_to"})
+                   "swapaxes", "swapdims", "broadcast_to", "repeat", "tile", "view_as_complex", "view_as_real"})
 # Reshapes: row-local only with the token dimension leading before and after (rows are
 # then contiguous runs of the same elements).
 RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"})
@@ -51,9 +51,16 @@ ALONG_DIM = frozenset({
     "logsumexp", "all", "any", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "cumprod",
     "cummax", "cummin", "flip", "roll", "cat", "concat", "concatenate", "stack", "scatter", "scatter_add",
     "scatter_reduce", "gather", "index_select", "take_along_dim", "chunk", "split", "unbind", "narrow",
-    "select", "tensor_split", "diff",
+    "select", "tensor_split", "diff", "normalize",
 })
-CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "linear", "einsum"})
+CONTRACTIONS = frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "linear", "einsum"})
+# Ops whose values are the same for every row, whatever shape they are given.
+CONSTANT_FACTORIES = frozenset({"zeros", "ones", "full", "empty", "empty_strided", "new_zeros", "new_ones",
+                                "new_full", "new_empty", "zeros_like", "ones_like", "full_like", "empty_like"})
+# Normalisations over the last ``len(normalized_shape)`` dimensions.
+LAST_DIMS_NORMS = frozenset({"layer_norm", "rms_norm"})
+# Ops whose every tensor argument must carry the token dimension at the same place.
+ALIGNED_INDEXING = frozenset({"scatter", "scatter_add", "scatter_reduce", "gather", "take_along_dim"})
 SIZES = frozenset({"aten::sym_size", "aten::sym_numel", "aten::sym_stride", "size", "dim", "numel", "stride"})
 
 
@@ -123,6 +130,13 @@ def row_mixing(node: fx.Node, token_syms: set, row_counts: set) -> str | None:
     size expressions a token dimension may have (the graph's row count)."""
     if node.op not in ("call_function", "call_method"):
         return None
+    try:
+        return _row_mixing(node, token_syms, row_counts)
+    except Exception as e:  # noqa: BLE001 - a call form the rules do not expect is refused, not a crash
+        return f"{node.name} ({_name(node)}) could not be analysed ({type(e).__name__}: {e})"
+
+
+def _row_mixing(node: fx.Node, token_syms: set, row_counts: set) -> str | None:
     ins = [(a, x, token_dims(x, token_syms)) for a, x in _tensors(node)]
     rowed = [(a, x, d) for a, x, d in ins if d]
     out = node_value(node)
@@ -132,7 +146,11 @@ def row_mixing(node: fx.Node, token_syms: set, row_counts: set) -> str | None:
     name = _name(node)
     where = f"{node.name} ({name})"
     if not rowed:
-        return None  # reads no rows: its values are the same for every row
+        # Reads no rows. Where it makes a token dimension, its values must not depend on
+        # the row's index (``arange(num_rows)`` numbers the replay rows, not the step's).
+        if any(token_dims(o, token_syms) for o in outs) and name.split(".")[-1] not in CONSTANT_FACTORIES:
+            return f"{where} makes values that depend on the row's index"
+        return None
     for a, x, d in rowed:
         if len(d) > 1:
             return f"{where} reads {getattr(a, 'name', a)}, whose rows are paired with rows"
@@ -165,13 +183,27 @@ def _rule(node, name: str, where: str, rowed, outs, token_syms) -> str | None:
         return _getitem(node, where, rowed[0][2][0], token_syms)
     if short in POINTWISE:
         return _aligned(where, rowed, outs, token_syms)
+    if short in CONSTANT_FACTORIES:
+        return None  # the same values for every row, in a shape the checks above allow
+    if short in ("max", "min") and isinstance(named_args(node).get("other", node.args[1] if len(node.args) > 1
+                                                                     else None), fx.Node):
+        return _aligned(where, rowed, outs, token_syms)  # the elementwise form: max(a, b)
+    if short == "embedding":
+        weight = node_value(named_args(node).get("weight", node.args[1] if len(node.args) > 1 else None))
+        return f"{where} looks up a token-indexed table" if token_dims(weight, token_syms) else None
+    if short in LAST_DIMS_NORMS:
+        args = named_args(node)
+        shape = args.get("normalized_shape", node.args[1] if len(node.args) > 1 else None)
+        n = len(shape) if isinstance(shape, (list, tuple)) else 1
+        first = rowed[0][1]
+        return f"{where} normalises over the token dimension" if rowed[0][2][0] >= first.dim() - n else None
     if short in MOVES:
         return None  # the checks above: one whole token dimension in and out
     if short in RESHAPES:
         ok = all(d[0] == 0 for _, _, d in rowed) and all(token_dims(o, token_syms) == [0] for o in outs)
         return None if ok else f"{where} reshapes across the token dimension"
     if short in ALONG_DIM:
-        return _along_dim(node, short, where, rowed)
+        return _along_dim(node, short, where, rowed, token_syms)
     if short in CONTRACTIONS:
         return _contraction(node, short, where, rowed)
     return f"{where} is not known to be row-local"
@@ -189,7 +221,7 @@ def _aligned(where, rowed, outs, token_syms) -> str | None:
 _DIM_POSITION = {"chunk": 2, "split": 2, "tensor_split": 2, "topk": 2, "roll": 2, "cumsum": 1, "cumprod": 1}
 
 
-def _along_dim(node, short: str, where: str, rowed) -> str | None:
+def _along_dim(node, short: str, where: str, rowed, token_syms: set) -> str | None:
     args = named_args(node)
     dims = args.get("dim", args.get("dims", args.get("axis")))
     if dims is None and not args:
@@ -198,29 +230,47 @@ def _along_dim(node, short: str, where: str, rowed) -> str | None:
     if dims is None and short in ("chunk", "split", "tensor_split", "unbind", "cat", "concat", "stack",
                                   "concatenate", "select", "narrow", "diff") and "dim" not in args:
         dims = 0 if short not in ("diff",) else -1  # these ops default to the first (diff: last) dimension
-    if dims is None:
+    if dims is None or isinstance(dims, (list, tuple)) and not dims:
         return f"{where} works over every dimension, the token dimension among them"
     dims = [dims] if isinstance(dims, int) else list(dims)
     if not all(isinstance(d, int) for d in dims):
         return f"{where} works along a dimension not known when traced"
     places = {d[0] for _, _, d in rowed}
-    if short in ("cat", "concat", "concatenate", "stack", "scatter", "scatter_add", "scatter_reduce",
-                 "gather", "take_along_dim") and len(places) > 1:
-        return f"{where} combines tensors whose token dimensions differ"
-    for _, x, d in rowed:
-        if any(k % max(x.dim(), 1) == d[0] for k in dims):
-            return f"{where} works along the token dimension"
+    if short in ("cat", "concat", "concatenate", "stack"):
+        # stacking aligned rows along any dimension keeps them apart; a cat along the
+        # token dimension changes the row count, which the checks above refuse
+        return None if len(places) == 1 else f"{where} combines tensors whose token dimensions differ"
+    if short in ALIGNED_INDEXING:
+        if len(places) > 1 or len(rowed) < len(_tensor_args(node)):
+            return f"{where} reads an index or source whose rows do not line up with its input's"
+    # the dimension counts in the op's own input (self): an index may carry the rows of
+    # a table lookup (``cache.index_select(0, positions)``)
+    first = node_value(node.args[0]) if node.args else None
+    own = token_dims(first, token_syms)
+    if own and any(k % max(first.dim(), 1) == own[0] for k in dims):
+        return f"{where} works along the token dimension"
+    if not own and short not in ("index_select",):
+        return f"{where} reads rows only through an argument it does not index by"
     return None
+
+
+def _tensor_args(node) -> list:
+    return [v for a in node.all_input_nodes if isinstance(v := node_value(a), torch.Tensor)]
 
 
 def _contraction(node, short: str, where: str, rowed) -> str | None:
     if short == "einsum":
         return _einsum(node, where)
-    values = [node_value(a) for a in node.args[:2]]
+    names = {"linear": ("input", "weight"), "baddbmm": ("batch1", "batch2"), "addmm": ("mat1", "mat2"),
+             "mm": ("input", "mat2"), "bmm": ("input", "mat2"), "matmul": ("input", "other")}[short]
+    args = named_args(node)
+    first = 1 if short in ("baddbmm", "addmm") else 0  # their first argument is the addend
+    values = [node_value(args[k]) if k in args else node_value(node.args[first + i]) for i, k in enumerate(names)]
     dims = [token_dims_of(v, rowed) for v in values]
     a, b = values
     if short == "linear":
-        if dims[1] is not None or (len(node.args) > 2 and token_dims_of(node_value(node.args[2]), rowed) is not None):
+        bias = node_value(args.get("bias", node.args[2] if len(node.args) > 2 else None))
+        if dims[1] is not None or token_dims_of(bias, rowed) is not None:
             return f"{where} reads a token-indexed weight"
         return f"{where} contracts the token dimension" if dims[0] == a.dim() - 1 else None
     if dims[0] is not None and dims[0] == a.dim() - 1:

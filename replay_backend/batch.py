@@ -7,6 +7,7 @@ by asynchronous copies, so building a step never waits for the step before it.
 from __future__ import annotations
 
 import array
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,15 @@ from .step_metadata import MetadataBuffer, aligned_fields, to_device
 # request (no cache could hold it), and it must fail here, not as an overflow or an
 # allocation deep inside a step.
 MAX_POSITION = 2 ** 31 - 1
+
+
+def _is_index(val) -> bool:
+    """An integer of any kind (numpy's too), not a float or a string."""
+    try:
+        operator.index(val)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class RequestChunk:
             val = getattr(self, name)
             if val is None and name == "kv_start":
                 continue
-            if isinstance(val, bool) or not isinstance(val, int):
+            if isinstance(val, bool) or not _is_index(val):
                 raise ValueError(f"RequestChunk.{name} must be an int, got {type(val).__name__} {val!r} "
                                  f"(req_id={self.req_id!r})")
             if not -MAX_POSITION <= val <= MAX_POSITION:

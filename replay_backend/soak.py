@@ -49,11 +49,10 @@ class Traffic:
         self.rng = random.Random(seed)
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_tokens, self.window = max_num_batched_tokens, window
-        self.bands = [(1, trim_threshold - 1), (trim_threshold, max_capture_size),
-                      (max_capture_size + 1, max_num_batched_tokens)]
-        self.bands = [(lo, hi, None) for lo, hi in self.bands if lo <= hi]
-        if max_capture_size < max_num_batched_tokens:
-            self.bands.append((max_capture_size + 1, min(max_num_batched_tokens, max_num_seqs * window), window))
+        top = max_num_batched_tokens
+        bands = [(1, trim_threshold - 1, None), (trim_threshold, max_capture_size, None),
+                 (max_capture_size + 1, top, None), (max_capture_size + 1, min(top, max_num_seqs * window), window)]
+        self.bands = [(lo, min(hi, top), cap) for lo, hi, cap in bands if lo <= min(hi, top)]
         self.live: dict[str, _Live] = {}
         self._next_id = 0
         self._turn = 0
@@ -90,7 +89,7 @@ class Traffic:
         rng = self.rng
         keep_all = rng.random() < keep_all
         longest = min(self.max_model_len - 8, 2048 if keep_all else self.max_model_len - 8)
-        prompt = int(round(2 ** rng.uniform(0, max(1.0, longest).bit_length() - 1)))
+        prompt = int(round(2 ** rng.uniform(0, max(1, longest).bit_length() - 1)))
         r = _Live(f"q{self._next_id}", max(1, min(prompt, longest)), keep_all, rng.randint(0, 6))
         self._next_id += 1
         self.live[r.req_id] = r
@@ -315,7 +314,7 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
     soak it against the oracle for ``steps`` steps of traffic drawn from ``seed``."""
     from .backend import ReplayBackend
 
-    opts = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **(options or {}))
+    opts = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, **(options or {})}
     backend = ReplayBackend(**opts)
     kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
     runner = StepRunner(model, backend=backend, **kw)

@@ -515,3 +515,8 @@ def test_request_fields_of_the_wrong_type_or_size_raise_naming_the_field(kw, mat
 def test_batch_specs_past_the_limits_raise_naming_the_item(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_batch_spec(spec)
+
+
+def test_request_fields_take_integers_of_any_kind():
+    np = pytest.importorskip("numpy")
+    assert R("a", np.int64(5), np.int32(9)).context_len == 4

@@ -254,6 +254,17 @@ def test_routing_weights_are_each_experts_lead_over_the_first_left_out():
     assert w[1].tolist() == [0.0, 0.0]  # a four-way tie: no expert leads
     w, i = route(scores, 4)
     torch.testing.assert_close(w.sum(-1), torch.ones(2))
+    w, i = route(scores[:1], 1)  # top-1: the lead relative to its own score
+    assert i.tolist() == [[1]]
+    torch.testing.assert_close(w, torch.tensor([[0.25 / 0.5]]))
+
+
+def test_top_1_moe_is_continuous_where_the_routing_changes():
+    moe = MoE(32, 4, 1, 16, 16, _gen(27), impl="dense")
+    x = _routing_boundary(moe, 28)
+    with torch.no_grad():
+        out = torch.cat([moe(x[0]), moe(x[1])])
+    assert (out[0] - out[1]).abs().max() < 1e-4 * out.abs().max()
 
 
 def test_grouped_moe_op_matches_the_naive_loop():

@@ -443,6 +443,42 @@ HOLES = {
 }
 
 
+HOLES.update({
+    "roll without dims (flattens first)": (lambda h, p: torch.roll(h, 1), "works over every dimension"),
+    "a row's index as a value": (lambda h, p: h * (torch.arange(h.shape[0]) == 0)[:, None],
+                                 "makes values that depend on the row's index"),
+    "scatter into one row": (lambda h, p: h.scatter(1, torch.zeros(1, 2, dtype=torch.int64), 1.0),
+                             "whose rows do not line up"),
+    "layer norm over the token dimension": (lambda h, p: torch.nn.functional.layer_norm(h.t(), (h.shape[0],)).t(),
+                                            "normalises over the token dimension"),
+})
+TABLE = torch.randn(64, H)
+GROUPS = torch.randn(2, H // 2, H // 2)
+F = torch.nn.functional
+ROW_LOCAL = {
+    "layer norm": lambda h, p: F.layer_norm(h, (H,)),
+    "rms norm": lambda h, p: F.rms_norm(h, (H,)),
+    "embedding": lambda h, p: h + F.embedding(p % 64, TABLE),
+    "table rows by position": lambda h, p: h + TABLE.index_select(0, p % 64),
+    "elementwise max": lambda h, p: torch.max(h, h * 2) + torch.min(h, 1.0 - h),
+    "linear by keyword": lambda h, p: F.linear(h, weight=TABLE[:H]) + torch.matmul(h, other=TABLE[:H]),
+    "dropout at inference": lambda h, p: F.dropout(h, 0.1, training=False),
+    "normalize": lambda h, p: F.normalize(h, dim=-1),
+    "repeat along features": lambda h, p: h.repeat(1, 2)[:, :H],
+    "baddbmm over groups": lambda h, p: torch.baddbmm(h.view(-1, 2, H // 2).transpose(0, 1),
+                                                     h.view(-1, 2, H // 2).transpose(0, 1),
+                                                     GROUPS).transpose(0, 1).reshape(-1, H),
+    "stack of rows' vectors": lambda h, p: torch.stack([p.float(), p.float() * 2], dim=-1).sum(-1)[:, None] + h,
+    "complex rotation": lambda h, p: torch.view_as_real(torch.view_as_complex(h.view(-1, H // 2, 2)) * torch.polar(
+        torch.ones(H // 2), torch.arange(H // 2).float())).reshape(-1, H),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_LOCAL))
+def test_ordinary_row_local_code_is_accepted(name):
+    assert extract(trace(region_fn(ROW_LOCAL[name]))) is not None
+
+
 @pytest.mark.parametrize("name", list(HOLES))
 def test_ops_not_known_row_local_are_refused_by_name(name):
     body, match = HOLES[name]

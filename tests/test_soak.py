@@ -96,3 +96,15 @@ def test_a_16_bit_soak_measures_its_noise_and_still_sees_one_wrong_row(model):
     assert all(0 < v < 0.2 for v in report.noise.values()), report.noise
     assert [(m.step, m.what) for m in report.mismatches] == [(5, "swa-replay")], report.render()
     assert set(report.limits) == set(report.noise) and "worst row's relative L2" in report.render()
+
+
+@pytest.mark.parametrize("limits", [dict(max_num_seqs=8, max_num_batched_tokens=4096),  # 8 x W < 1025 tokens
+                                    dict(max_num_seqs=16, max_num_batched_tokens=512)])  # below the threshold
+def test_traffic_stays_within_the_runner_limits(limits):
+    t = Traffic(3, max_model_len=8192, window=128, trim_threshold=768, max_capture_size=1024, **limits)
+    for _ in range(300):
+        chunks = t.step()
+        assert 1 <= len(chunks) <= limits["max_num_seqs"]
+        assert sum(c.query_len for c in chunks) <= limits["max_num_batched_tokens"]
+        assert all(c.seq_len <= 8192 for c in chunks)
+        t.advance(chunks)

@@ -159,7 +159,8 @@ def route(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k experts of each row and their weights, continuous in ``scores``.
 
     An expert's weight is its score's lead over the best expert left out, normalised
-    over the chosen ones: an expert enters or leaves the top k with weight zero. With
+    over the chosen ones (top-1: relative to its own score): an expert enters or leaves
+    the top k with weight zero. With
     the usual normalised top-k scores a near-tie between the k-th and the next expert
     is a jump, which a rounding difference (another GEMM tiling, a fused reduction, a
     padded batch) can take in one run and not in another; then one row's output moves
@@ -171,6 +172,8 @@ def route(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return scores / scores.sum(-1, keepdim=True), torch.arange(k, device=scores.device).expand_as(scores)
     vals, idx = torch.topk(scores, k + 1, dim=-1)
     lead = vals[:, :k] - vals[:, k:]
+    if k == 1:  # normalised over itself it would always be 1: relative to its own score
+        return lead / vals[:, :1], idx[:, :1]
     # All k + 1 scores equal (measure zero): no chosen expert leads, the weights are 0.
     return lead / lead.sum(-1, keepdim=True).clamp_min(torch.finfo(lead.dtype).tiny), idx[:, :k]
 
