@@ -1,4 +1,6 @@
 """dsv41-replay: a torch.compile backend for DeepSeek-V4.1-style models."""
+import importlib
+
 from .backend import ReplayBackend
 from .batch import RequestChunk, StepBatch
 from .config import ReplayConfig
@@ -7,15 +9,24 @@ from .counters import counters
 from .boundary import replay_begin, replay_end
 from .forward_context import ForwardContext, get_forward_context, set_forward_context
 from .inspection import depyf_debug
-from .models import DSv41Mini, ModelConfig, build_model, preset
 from .passes.roles import declare_attention, declare_row_local
 from .plan import SplitPlan, plan_of
-from .runner import StepRunner
 
 __version__ = "0.1.0"
 
+# The reference model and its runner load on first use: the backend imports no model.
+_REFERENCE = {"DSv41Mini": ".models", "ModelConfig": ".models", "build_model": ".models", "preset": ".models",
+              "StepRunner": ".runner"}
+
+
+def __getattr__(name: str):
+    if name in _REFERENCE:
+        return getattr(importlib.import_module(_REFERENCE[name], __name__), name)
+    raise AttributeError(f"module 'replay_backend' has no attribute {name!r}")
+
+
 __all__ = [
     "DSv41Mini", "ForwardContext", "ModelConfig", "ReplayBackend", "ReplayConfig", "RequestChunk",
-    "SplitPlan", "StepBatch", "StepRunner", "build_model", "counters", "declare_attention", "declare_row_local", "depyf_debug",
-    "get_forward_context", "plan_of", "preset", "replay_begin", "replay_end", "set_forward_context",
+    "SplitPlan", "StepBatch", "StepRunner", "build_model", "counters", "declare_attention", "declare_row_local",
+    "depyf_debug", "get_forward_context", "plan_of", "preset", "replay_begin", "replay_end", "set_forward_context",
 ]

@@ -8,10 +8,12 @@ and incomplete compression pairs write there, and nothing ever reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .models.config import ModelConfig
+if TYPE_CHECKING:  # the layout is the core's; only the caches know a model's shape
+    from .models.config import ModelConfig
 
 
 @dataclass(frozen=True)

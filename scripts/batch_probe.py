@@ -47,7 +47,7 @@ def load_baseline(rev: str):
         return mod
 
     load("baseline_attention", source("replay_backend/models/attention_triton.py")
-         .replace("from ._triton", "from replay_backend.models._triton"))
+         .replace("from ._triton", "from replay_backend.triton_compat"))
     return load("baseline_batch", source("replay_backend/batch.py")
                 .replace("from .models.attention_triton", "from baseline_attention")
                 .replace("from .", "from replay_backend."))

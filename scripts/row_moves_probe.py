@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from replay_backend.models import _triton
-from replay_backend.models._triton import triton
+from replay_backend import triton_compat as _triton
+from replay_backend.triton_compat import triton
 from replay_backend.runtime import row_moves
 
 

@@ -4,7 +4,7 @@ the kernel under Triton's interpreter in a child process against the reference o
 import pytest
 
 from conftest import check_interpreted, needs_triton
-from replay_backend.models import _triton
+from replay_backend import triton_compat as _triton
 
 
 @needs_triton

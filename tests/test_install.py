@@ -97,3 +97,16 @@ def test_public_surface():
         pass
     for name in ("ReplayBackend", "ReplayConfig", "StepRunner", "plan_of", "replay_begin", "replay_end"):
         assert hasattr(replay_backend, name), name
+
+
+def test_the_core_imports_no_model():
+    """The backend, its passes, runtime and inspection load without the reference model;
+    its names load on first use."""
+    code = ("import sys, replay_backend, replay_backend.backend, replay_backend.runtime.trim_op, "
+            "replay_backend.passes.row_local, replay_backend.inspection, replay_backend.pytest_plugin\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('replay_backend.models'))\n"
+            "assert not loaded, loaded\n"
+            "assert replay_backend.preset('tiny').num_layers == 40 and replay_backend.StepRunner\n"
+            "assert 'replay_backend.models' in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

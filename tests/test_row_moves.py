@@ -173,7 +173,7 @@ def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registere
     so the hook sees the launch."""
     import triton
 
-    from replay_backend.models._triton import direct_launcher
+    from replay_backend.triton_compat import direct_launcher
 
     calls = []
 
@@ -207,7 +207,7 @@ def test_direct_launch_calls_the_c_entry_of_a_known_scratch_free_launcher(monkey
     """Where this Triton's C entry layout is known and the build needs no scratch memory,
     the direct launch calls the C entry with the flags in Triton 3.6's order; a build
     that needs scratch, or another Triton version, keeps the launcher's Python call."""
-    from replay_backend.models import _triton
+    from replay_backend import triton_compat as _triton
 
     calls = []
 

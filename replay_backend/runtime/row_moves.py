@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .. import torch_compat
-from ..models._triton import INTERPRETED, kept_launch, tl, triton
+from ..triton_compat import INTERPRETED, kept_launch, tl, triton
 
 MAX_TENSORS = 6
 BLOCK = 1024

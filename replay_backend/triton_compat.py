@@ -1,4 +1,6 @@
-"""Triton, where it is installed: the models' kernels import it from here, and run
+"""Triton, where it is installed: the one adapter for Triton's private launcher parts.
+
+The core's row-move kernels and a model's kernels import Triton from here, and run
 their PyTorch reference where ``available()`` is false (CPU machines without it)."""
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .. import torch_compat
+from . import torch_compat
 
 try:
     import triton
