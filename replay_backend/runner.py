@@ -126,6 +126,8 @@ class StepRunner:
         """Each request's cache block, new ones claimed only when all of them fit, so a
         step that does not fit leaves every block as it was."""
         new = [r for r in req_ids if r not in self._blocks]
+        if not new:  # a step of requests already running: no block search on its path
+            return [self._blocks[r] for r in req_ids]
         free = sorted(set(range(self.layout.num_blocks)) - set(self._blocks.values()))
         if len(new) > len(free):
             raise RuntimeError(f"no free cache block for request {new[len(free)]!r}: the step needs "
@@ -184,8 +186,8 @@ class StepRunner:
             hidden = self._run_compiled(ids, pos) if compiled else fwd(ids, pos)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         for i, r in enumerate(batch.requests):  # the cache now holds each request's chunk
-            if self._blocks.get(r.req_id) is not None and self.layout.base(self._blocks[r.req_id]) == \
-                    batch.view.cache_base[i]:
+            block = self._blocks.get(r.req_id)  # none for capture's dummy requests
+            if block is not None and self.layout.base(block) == batch.view.cache_base[i]:
                 self._cached[r.req_id] = r.seq_len
         return StepOutput(logits, batch, ctx.step, ctx.last_trim)
 
