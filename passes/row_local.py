@@ -140,10 +140,10 @@ def _row_mixing(node: fx.Node, token_syms: set, row_counts: set) -> str | None:
     ins = [(a, x, token_dims(x, token_syms)) for a, x in _tensors(node)]
     rowed = [(a, x, d) for a, x, d in ins if d]
     out = node_value(node)
-    if isinstance(out, (torch.SymInt, int, float, bool)) or _name(node) in SIZES:
+    name = _name(node)
+    if isinstance(out, (torch.SymInt, int, float, bool)) or name in SIZES:
         return None  # a size of the rows, not their values
     outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
-    name = _name(node)
     where = f"{node.name} ({name})"
     if not rowed:
         # Reads no rows. Where it makes a token dimension, its values must not depend on
@@ -205,7 +205,7 @@ def _rule(node, name: str, where: str, rowed, outs, token_syms) -> str | None:
     if short in ALONG_DIM:
         return _along_dim(node, short, where, rowed, token_syms)
     if short in CONTRACTIONS:
-        return _contraction(node, short, where, rowed)
+        return _contraction(node, short, where, rowed, token_syms)
     return f"{where} is not known to be row-local"
 
 
@@ -241,7 +241,7 @@ def _along_dim(node, short: str, where: str, rowed, token_syms: set) -> str | No
         # token dimension changes the row count, which the checks above refuse
         return None if len(places) == 1 else f"{where} combines tensors whose token dimensions differ"
     if short in ALIGNED_INDEXING:
-        if len(places) > 1 or len(rowed) < len(_tensor_args(node)):
+        if len(places) > 1 or len(rowed) < len(_tensors(node)):
             return f"{where} reads an index or source whose rows do not line up with its input's"
     # the dimension counts in the op's own input (self): an index may carry the rows of
     # a table lookup (``cache.index_select(0, positions)``)
@@ -254,13 +254,9 @@ def _along_dim(node, short: str, where: str, rowed, token_syms: set) -> str | No
     return None
 
 
-def _tensor_args(node) -> list:
-    return [v for a in node.all_input_nodes if isinstance(v := node_value(a), torch.Tensor)]
-
-
-def _contraction(node, short: str, where: str, rowed) -> str | None:
+def _contraction(node, short: str, where: str, rowed, token_syms: set) -> str | None:
     if short == "einsum":
-        return _einsum(node, where)
+        return _einsum(node, where, token_syms)
     names = {"linear": ("input", "weight"), "baddbmm": ("batch1", "batch2"), "addmm": ("mat1", "mat2"),
              "mm": ("input", "mat2"), "bmm": ("input", "mat2"), "matmul": ("input", "other")}[short]
     args = named_args(node)
@@ -289,7 +285,7 @@ def token_dims_of(value, rowed) -> int | None:
     return None
 
 
-def _einsum(node, where: str) -> str | None:
+def _einsum(node, where: str, token_syms: set) -> str | None:
     eq = node.args[0] if isinstance(node.args[0], str) else None
     if eq is None or "->" not in eq or "." in eq:
         return f"{where}: an einsum without an explicit output is not analysed"
@@ -297,10 +293,9 @@ def _einsum(node, where: str) -> str | None:
     operands = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
     letters = set()
     for spec, arg in zip(lhs.split(","), operands):
-        v = node_value(arg)
-        d = next((k for k, s in enumerate(getattr(v, "shape", ())) if isinstance(s, torch.SymInt)), None)
-        if d is not None:
-            letters.add(spec[d])
+        d = token_dims(node_value(arg), token_syms)
+        if d:
+            letters.add(spec[d[0]])
     if len(letters) != 1 or not re.search(letters.pop(), out):
         return f"{where} contracts or pairs the token dimension"
     return None
@@ -343,8 +338,9 @@ def padding_unsafe(gm: fx.GraphModule, splitting_ops) -> str | None:
             counts.add(v.shape[0].node.expr)
     if not syms:
         return None
+    skipped = set(splitting_ops) | {TRIM_OP}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and op_name(node.target) in set(splitting_ops) | {TRIM_OP}:
+        if node.op == "call_function" and op_name(node.target) in skipped:
             continue
         why = row_mixing(node, syms, counts)
         if why is not None:

@@ -18,20 +18,17 @@ def replay_kv_slots(batch: StepBatch) -> torch.Tensor:
 
 
 def kept_kv(caches: KVCaches, batch: StepBatch) -> torch.Tensor:
-    """The replay layers' SWA KV of the batch's kept rows, stacked, in fp32."""
+    """The replay layers' SWA KV of the batch's kept rows, ``[layers, rows, head_dim]``, in fp32."""
     slots = replay_kv_slots(batch).to(caches.swa[0].device)
     return torch.stack([caches.swa[layer].index_select(0, slots).float() for layer in caches.cfg.replay_layers])
 
 
 def max_abs_err_kv(a: KVCaches, b: KVCaches, batch: StepBatch) -> float:
     """Largest difference of the SWA KV the replay layers wrote for kept rows."""
-    slots = replay_kv_slots(batch)
-    err = 0.0
-    for layer in a.cfg.replay_layers:
-        sa = a.swa[layer].index_select(0, slots.to(a.swa[layer].device)).float()
-        sb = b.swa[layer].index_select(0, slots.to(b.swa[layer].device)).float()
-        err = max(err, (sa - sb).abs().max().item() if slots.numel() else 0.0)
-    return err
+    if not a.cfg.replay_layers:
+        return 0.0
+    got, want = kept_kv(a, batch), kept_kv(b, batch)
+    return max_abs_err(got, want) if got.numel() else 0.0
 
 
 def max_abs_err(x: torch.Tensor, y: torch.Tensor) -> float:
