@@ -23,7 +23,7 @@ import re
 import torch
 from torch import fx
 
-from .common import node_value, op_name, op_tags
+from .common import named_args, node_value, op_name, op_tags
 from .roles import OpRole, roles_of
 
 # The trim op reads the rows it is given and the step's own: padding is its concern.
@@ -87,22 +87,6 @@ def token_dims(value, token_syms: set) -> list[int]:
     if not isinstance(value, torch.Tensor):
         return []
     return [i for i, s in enumerate(value.shape) if isinstance(s, torch.SymInt) and symbols(s) & token_syms]
-
-
-def named_args(node: fx.Node) -> dict:
-    """The node's arguments by schema name, where torch can tell (else its kwargs)."""
-    from torch.fx.operator_schemas import normalize_function
-
-    target, args = node.target, node.args
-    if node.op == "call_method":
-        target = getattr(torch, node.target, None)
-    if target is None or not callable(target):
-        return dict(node.kwargs)
-    try:
-        norm = normalize_function(target, tuple(args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
-    except Exception:  # unknown or ambiguous signature: only what is named
-        norm = None
-    return dict(norm.kwargs) if norm is not None else dict(node.kwargs)
 
 
 def _name(node: fx.Node) -> str:

@@ -598,3 +598,47 @@ def test_a_step_dependent_op_left_out_of_splitting_ops_is_refused_when_pieces_ar
         runner.step([RequestChunk("a", 20, 20)])
     err = str(user_error(info.value))
     assert "option splitting_ops: dsv41::source_attention read(s) per-step state" in err, info.value
+
+
+def _with_named_dim_twins(original):
+    """``get_signature_for_torch_op`` as torch versions that also list each op's
+    named-dimension overload (``mean(x, dim: str[])`` beside ``mean(x, dim: int[])``) give it."""
+    import inspect
+    import typing
+
+    def signatures(op, return_schemas=False):
+        sigs = original(op)
+        if sigs is None or return_schemas:
+            return original(op, return_schemas) if return_schemas else sigs
+        twins = []
+        for sig in sigs:
+            dim = sig.parameters.get("dim")
+            if dim is not None:
+                name = typing.List[str] if typing.get_origin(dim.annotation) in (list, typing.Union) else str
+                twins.append(sig.replace(parameters=[p.replace(annotation=name) if p.name == "dim" else p
+                                                     for p in sig.parameters.values()]))
+        return sigs + twins
+    return signatures
+
+
+ALONG_FEATURES = {
+    "mean over features": lambda h, p: h - h.float().pow(2).mean(-1, keepdim=True),
+    "softmax over features": lambda h, p: torch.softmax(h, -1) * p[:, None],
+    "max over features": lambda h, p: h - h.max(1).values[:, None],
+    "normalize": ROW_LOCAL["normalize"],
+}
+
+
+@pytest.mark.parametrize("name", list(ALONG_FEATURES))
+def test_row_locality_does_not_depend_on_the_overloads_torch_lists(monkeypatch, name):
+    """torch 2.11 lists named-dimension twins, which made ``x.mean(-1)`` ambiguous by
+    argument count: the analysis then took it for a mean over every dimension and
+    switched replay off for the reference model on the GPU machine."""
+    from torch.fx import operator_schemas
+
+    monkeypatch.setattr(operator_schemas, "get_signature_for_torch_op",
+                        _with_named_dim_twins(operator_schemas.get_signature_for_torch_op))
+    assert extract(trace(region_fn(ALONG_FEATURES[name]))) is not None
+    for mixing in ("mean over tokens, keepdim", "cumsum over tokens", "sort tokens"):
+        with pytest.raises(ReplayRegionError, match="not row-local"):
+            extract(trace(region_fn(ROW_MIXING[mixing])))
