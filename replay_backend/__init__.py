@@ -1,11 +1,12 @@
 """dsv41-replay: a torch.compile backend for DeepSeek-V4.1-style models."""
 import importlib
 
-from .backend import ReplayBackend
-from .batch import RequestChunk, StepBatch
+from .backend import Phase, ReplayBackend, backend_of
+from .batch import ReplayRows, RequestChunk, StepBatch, replay_rows_for
 from .config import ReplayConfig
 # The Counters object (SPEC §8: ``replay_backend.counters.expect(...)``), not the module.
 from .counters import counters
+from .dynamic import ReplayCompiled, compile, mark_token_dims
 from .boundary import replay_begin, replay_end
 from .forward_context import ForwardContext, get_forward_context, set_forward_context
 from .inspection import depyf_debug
@@ -26,7 +27,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "DSv41Mini", "ForwardContext", "ModelConfig", "ReplayBackend", "ReplayConfig", "RequestChunk",
-    "SplitPlan", "StepBatch", "StepRunner", "build_model", "counters", "declare_attention", "declare_row_local",
-    "depyf_debug", "get_forward_context", "plan_of", "preset", "replay_begin", "replay_end", "set_forward_context",
+    "backend_of", "build_model", "compile", "counters", "declare_attention", "declare_row_local",
+    "depyf_debug", "DSv41Mini", "ForwardContext", "get_forward_context", "mark_token_dims",
+    "ModelConfig", "Phase", "plan_of", "preset", "replay_begin", "replay_end", "replay_rows_for",
+    "ReplayBackend", "ReplayCompiled", "ReplayConfig", "ReplayRows", "RequestChunk",
+    "set_forward_context", "SplitPlan", "StepBatch", "StepRunner",
 ]

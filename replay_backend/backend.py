@@ -7,8 +7,10 @@ inspection) and to make recompiles after warm-up an error.
 """
 from __future__ import annotations
 
+import enum
 import logging
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -26,12 +28,31 @@ from .piece_cache import PieceCache
 from .plan import SplitPlan
 from .runtime.compiled import CompiledReplayModel
 from .runtime.direct import CallLog
-from .runtime.graphs import GraphLevel, GraphResources, PieceRunner
+from .runtime.graphs import GraphLevel, GraphResources, PieceRunner, StrictFallbackError
 from .runtime.trim_op import ReplayRuntime
 
 log = logging.getLogger("replay_backend")
 
+class Phase(enum.Enum):
+    """Where one backend state (one ``torch.compile`` call) is in its life. Each public
+    step moves it forward only: a graph may arrive while tracing or warming up (a second
+    one is a counted recompile), graphs are captured after warm-up, and once serving a
+    new graph is an error."""
+
+    TRACING = "tracing"  # no graph compiled yet
+    WARMING = "warming"  # compiled; warm-up steps may run, recompiles are counted
+    CAPTURING = "capturing"
+    SERVING = "serving"  # no new graph and no capture from now on
+
+
 class ReplayBackend:
+    """One backend state: the graphs one ``torch.compile`` call compiled, their shared
+    piece cache, and the lifecycle (:class:`Phase`) that capture and serving follow.
+
+    ``torch.compile(model, backend=ReplayBackend(...))`` uses it directly;
+    ``torch.compile(model, backend="dsv41_replay", options=...)`` makes one per call,
+    which :func:`backend_of` finds from the compiled model."""
+
     def __init__(self, config: ReplayConfig | None = None, piece_cache: PieceCache | None = None,
                  dp_group=None, **options: Any) -> None:
         if config is not None and options:
@@ -42,7 +63,7 @@ class ReplayBackend:
         # A torch.distributed group of data-parallel ranks: they agree on replaying.
         self.dp_group = dp_group
         self.compiled: list[CompiledReplayModel] = []
-        self.frozen = False
+        self.phase = Phase.TRACING
         # Calls of the compiled model while a runner watches (its warm-up steps): the
         # runner learns from them how to call the model without Dynamo (runtime/direct.py).
         self.calls = CallLog()
@@ -53,18 +74,57 @@ class ReplayBackend:
             raise RuntimeError("nothing compiled yet: run one step through the compiled model first")
         return self.compiled[-1]
 
+    @property
+    def frozen(self) -> bool:
+        """True once serving: a further graph (a recompile) is an error."""
+        return self.phase is Phase.SERVING
+
+    def capture(self, run_step: Callable[[int], Any], replay_view_for: Callable[[int], Any],
+                metadata=None) -> dict:
+        """Capture the main graphs, then the replay graphs, each largest size first (SPEC
+        §7), after the warm-up steps. ``run_step(n)`` runs one dummy step of ``n`` tokens
+        through the compiled model (under the caller's forward context);
+        ``replay_view_for(n)`` gives the attention view of ``n`` dummy replay rows.
+        Returns the per-runner capture summary; :meth:`start_serving` comes next."""
+        self._expect("capture", Phase.WARMING)
+        self.phase = Phase.CAPTURING
+        try:
+            return self.model.capture(run_step, replay_view_for, metadata)
+        except BaseException:
+            self.phase = Phase.WARMING
+            raise
+
+    def start_serving(self) -> None:
+        """Warm-up (and capture) is over: no capture from now on, an uncaptured size is a
+        counted fallback, and a recompile is an error."""
+        if self.phase is Phase.SERVING:
+            return
+        self._expect("start_serving", Phase.WARMING, Phase.CAPTURING)
+        self.model.start_serving()
+        self.phase = Phase.SERVING
+
     def freeze(self) -> None:
-        """Warm-up is over: a further graph (a recompile) is an error."""
-        self.frozen = True
+        """The former name of :meth:`start_serving`."""
+        self.start_serving()
+
+    def _expect(self, what: str, *phases: Phase) -> None:
+        if self.phase not in phases:
+            hint = {Phase.TRACING: "run one step through the compiled model first",
+                    Phase.SERVING: "serving has started"}.get(self.phase, "")
+            raise RuntimeError(f"dsv41_replay: {what}() while {self.phase.value}"
+                               + (f": {hint}" if hint else "")
+                               + f" (allowed while {' or '.join(p.value for p in phases)})")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> CompiledReplayModel:
         counters.graphs_seen += 1
+        if self.phase in (Phase.SERVING, Phase.CAPTURING):
+            counters.recompiles += 1
+            raise RuntimeError(
+                f"dsv41_replay: recompile after warm-up (while {self.phase.value}). The model must trace once, "
+                "dynamic only "
+                "in the token count (mark the token dimension dynamic; see docs/debugging.md)")
         if self.compiled:
             counters.recompiles += 1
-            if self.frozen:
-                raise RuntimeError(
-                    "dsv41_replay: recompile after warm-up. The model must trace once, dynamic only "
-                    "in the token count (mark the token dimension dynamic; see docs/debugging.md)")
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
         else:  # once per backend, not per graph
             log.info("dsv41_replay config: %s", self.config.as_dict())
@@ -72,13 +132,38 @@ class ReplayBackend:
         model.calls = self.calls
         inspection.on_built(model, len(self.compiled))
         self.compiled.append(model)
+        self.phase = Phase.WARMING
         return model
 
 
 def dsv41_replay(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
                  options: dict | None = None) -> CompiledReplayModel:
-    """Entry point registered as ``torch_dynamo_backends: dsv41_replay``."""
-    return ReplayBackend(ReplayConfig.from_options(options, mode))(gm, example_inputs)
+    """Entry point registered as ``torch_dynamo_backends: dsv41_replay``: every graph of
+    one ``torch.compile`` call goes to that call's one :class:`ReplayBackend`."""
+    call = torch_compat.torch_compile_call(sys._getframe(1))
+    config = ReplayConfig.from_options(options, mode)
+    if call is None:
+        why = ("not called through torch.compile's wrapper, so each graph gets a backend of its own and "
+               "recompiles are not counted; pass backend=ReplayBackend(...) to keep one")
+        if config.strict:
+            raise StrictFallbackError(f"per_call_state: {why} (strict=True turns fallbacks into errors)")
+        counters.fallbacks["per_call_state"] += 1
+        if counters.fallbacks["per_call_state"] == 1:
+            log.warning("dsv41_replay fallback [per_call_state]: %s", why)
+        return ReplayBackend(config)(gm, example_inputs)
+    return torch_compat.compile_call_state(call, lambda: ReplayBackend(config))(gm, example_inputs)
+
+
+def backend_of(compiled) -> ReplayBackend:
+    """The :class:`ReplayBackend` behind a model compiled with ``backend="dsv41_replay"``
+    (or given one): its plan, capture and start of serving."""
+    if isinstance(compiled, ReplayBackend):
+        return compiled
+    state = torch_compat.compile_call_state_of(compiled)
+    if state is None:
+        raise ValueError("backend_of: no dsv41_replay backend state behind this object: compile a module with "
+                         "torch.compile(model, backend='dsv41_replay') and run one step through it first")
+    return state
 
 
 def _token_inputs(gm: fx.GraphModule, fake_inputs: list) -> tuple[list[int], list[int]]:

@@ -174,6 +174,46 @@ def replay_rows(requests: list[RequestChunk] | tuple[RequestChunk, ...], window:
     return rows, qsl
 
 
+@dataclass(frozen=True)
+class ReplayRows:
+    """A step's replay batch as host data (SPEC §4), from the step protocol alone: each
+    request's query length, sequence length, keep-all flag and optional floor.
+
+    ``rows`` index the step's flattened batch (request order, ascending); ``positions``
+    are their sequence positions; ``query_start_loc`` splits them by request;
+    ``kv_start`` is each request's bounded-replay floor (0 = none, SPEC §3). Apply
+    :meth:`take` to any per-token tensor (slot mappings, ids) to get its kept rows."""
+
+    rows: tuple[int, ...]
+    positions: tuple[int, ...]
+    query_start_loc: tuple[int, ...]
+    kv_start: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    def take(self, per_token: torch.Tensor) -> torch.Tensor:
+        """The kept rows of a tensor indexed by the step's tokens (dim 0)."""
+        index = torch.as_tensor(self.rows, dtype=torch.int64, device=per_token.device)
+        return per_token.index_select(0, index)
+
+
+def replay_rows_for(requests, window: int) -> ReplayRows:
+    """The replay batch of a step of ``requests`` (RequestChunks) at sliding window
+    ``window``: SPEC §4's example, W = 128, query lens ``[1, 250, 60]`` and seq lens
+    ``[700, 250, 260]``, keeps rows ``[0] + [123..250] + [251..310]``, with
+    ``query_start_loc [0, 1, 129, 189]`` and request 1's floor at position 122."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    rows, qsl = replay_rows(requests, window)
+    positions: list[int] = []
+    for r in requests:
+        k = kept_len(r, window)
+        positions.extend(range(r.seq_len - k, r.seq_len))
+    return ReplayRows(tuple(rows), tuple(positions), tuple(qsl), tuple(replay_floor(r, window) for r in requests))
+
+
 def validate_requests(requests, layout: CacheLayout, window: int,
                       max_num_batched_tokens: int | None = None) -> None:
     if not requests:

@@ -148,7 +148,7 @@ def plan_of(obj) -> SplitPlan:
     if hasattr(obj, "compiled") and hasattr(obj, "freeze"):  # ReplayBackend
         return obj.model.plan_snapshot()
     backend = getattr(obj, "backend", None)
-    if backend is not None and hasattr(obj, "kv"):  # StepRunner(backend=...)
+    if backend is not None and hasattr(backend, "compiled"):  # StepRunner(backend=...), ReplayCompiled
         return plan_of(backend)
     from . import torch_compat
 

@@ -247,8 +247,7 @@ class StepRunner:
             raise RuntimeError("start_serving needs a StepRunner built with backend=ReplayBackend(...)")
         be = self.backend
         compiled = be.model
-        compiled.start_serving()
-        be.freeze()
+        be.start_serving()
         self._serving = True
         self._direct = None
         if not be.config.direct_dispatch:
@@ -309,11 +308,11 @@ class StepRunner:
 
         Returns the per-runner capture summary. Without CUDA the same sequence runs
         with emulated graphs."""
-        compiled = self._compiled_for_capture()
+        self._compiled_for_capture()
         self._build_split_attention()  # before capture, whose end starts the served-step counts
         with self._dummy_context(), torch.inference_mode():
-            summary = compiled.capture(lambda n: self.run(self.dummy_batch(n)),
-                                       lambda n: self.dummy_batch(n).replay.view, self.metadata)
+            summary = self.backend.capture(lambda n: self.run(self.dummy_batch(n)),
+                                           lambda n: self.dummy_batch(n).replay.view, self.metadata)
         self.start_serving()
         return summary
 

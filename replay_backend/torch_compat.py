@@ -336,3 +336,52 @@ def raw_stream_getter() -> Callable[[int], int]:
     if fast is not None:
         return fast
     return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+# ---- the torch.compile call a backend serves ----------------------------------------
+# ``torch.compile(m, backend="name", options=...)`` makes one wrapper object and calls the
+# registered function through it for every graph of that call; the wrapper is the only
+# thing that tells two graphs of one call from graphs of two calls.
+_STATE_ATTR = "_dsv41_replay_state"
+
+
+def _compile_wrapper_type():
+    return getattr(torch, "_TorchCompileWrapper", None)
+
+
+def torch_compile_call(frame) -> object | None:
+    """The wrapper of the ``torch.compile`` call whose backend was called from ``frame``
+    (the backend function's caller), or None where torch does not call it that way."""
+    kind = _compile_wrapper_type()
+    owner = frame.f_locals.get("self") if frame is not None else None
+    return owner if kind is not None and isinstance(owner, kind) else None
+
+
+def compile_call_state(call: object, make: Callable[[], Any]) -> Any:
+    """The state kept for one ``torch.compile`` call, made on its first graph. It lives
+    on the call's wrapper, so it lives as long as the compiled model and no longer."""
+    state = getattr(call, _STATE_ATTR, None)
+    if state is None:
+        state = make()
+        setattr(call, _STATE_ATTR, state)
+    return state
+
+
+def compile_call_of(compiled) -> object | None:
+    """The ``torch.compile`` wrapper behind a compiled module (or None): torch keeps it at
+    the end of a chain of wrappers that each name the next ``_torchdynamo_orig_backend``."""
+    kind = _compile_wrapper_type()
+    ctx = getattr(compiled, "dynamo_ctx", None) or getattr(compiled, "_torchdynamo_context", None)
+    fn = getattr(ctx, "callback", None)
+    for _ in range(8):
+        if fn is None or kind is None:
+            return None
+        if isinstance(fn, kind):
+            return fn
+        fn = getattr(fn, "_torchdynamo_orig_backend", None)
+    return None
+
+
+def compile_call_state_of(compiled) -> Any:
+    call = compile_call_of(compiled)
+    return getattr(call, _STATE_ATTR, None) if call is not None else None
