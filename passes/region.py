@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .common import is_op, node_value
+from .common import op_name, is_op, node_value
 from .row_local import TRIM_OP, row_mixing, symbols
 
 BEGIN = "dsv41_replay::replay_begin"
@@ -125,8 +125,9 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region
         if node in env:
             continue
         if is_op(node, forbidden_ops):
-            raise ReplayRegionError(f"KV source op {node.target} at {node.name} lies after the cut: "
-                                    "the replay region must not write global KV")
+            raise ReplayRegionError(f"KV source op {op_name(node.target)} at {node.name} lies after the cut: "
+                                    "the replay region must not write KV that later layers or steps read "
+                                    "for every row (declared kv_source=True)")
         for user in node.users:
             if user not in body_set and user is not end:
                 raise ReplayRegionError(f"{node.name}, computed in the replay region, is used by "

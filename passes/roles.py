@@ -24,6 +24,7 @@ import enum
 import torch
 from torch import fx
 
+from .. import torch_compat
 from .common import op_name
 
 
@@ -37,6 +38,7 @@ _ATTR = "_dsv41_replay_roles"
 
 
 def _packet(op):
+    op = torch_compat.custom_op_name(op) or op  # what @torch.library.custom_op returned
     if isinstance(op, str):
         if "::" not in op:
             raise ValueError(f"an op name is 'namespace::name', got {op!r}")

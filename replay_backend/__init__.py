@@ -2,12 +2,14 @@
 import importlib
 
 from .backend import Phase, ReplayBackend, backend_of
-from .batch import ReplayRows, RequestChunk, StepBatch, replay_rows_for
+from .batch import (AttnView, ReplayRows, RequestChunk, StepBatch, ViewField, build_step_batch, dummy_step_batch,
+                    replay_rows_for)
 from .config import ReplayConfig
 # The Counters object (SPEC §8: ``replay_backend.counters.expect(...)``), not the module.
 from .counters import counters
 from .dynamic import ReplayCompiled, compile, mark_token_dims
 from .boundary import replay_begin, replay_end
+from .kv_cache import CacheLayout
 from .forward_context import ForwardContext, get_forward_context, set_forward_context
 from .inspection import depyf_debug
 from .passes.roles import declare_attention, declare_row_local
@@ -27,9 +29,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "backend_of", "build_model", "compile", "counters", "declare_attention", "declare_row_local",
-    "depyf_debug", "DSv41Mini", "ForwardContext", "get_forward_context", "mark_token_dims",
-    "ModelConfig", "Phase", "plan_of", "preset", "replay_begin", "replay_end", "replay_rows_for",
-    "ReplayBackend", "ReplayCompiled", "ReplayConfig", "ReplayRows", "RequestChunk",
-    "set_forward_context", "SplitPlan", "StepBatch", "StepRunner",
+    "AttnView", "backend_of", "build_model", "build_step_batch", "CacheLayout", "compile",
+    "counters", "declare_attention", "declare_row_local", "depyf_debug", "DSv41Mini",
+    "dummy_step_batch", "ForwardContext", "get_forward_context", "mark_token_dims", "ModelConfig",
+    "Phase", "plan_of", "preset", "replay_begin", "replay_end", "replay_rows_for", "ReplayBackend",
+    "ReplayCompiled", "ReplayConfig", "ReplayRows", "RequestChunk", "set_forward_context",
+    "SplitPlan", "StepBatch", "StepRunner", "ViewField",
 ]

@@ -89,7 +89,12 @@ class ReplayBackend:
         self._expect("capture", Phase.WARMING)
         self.phase = Phase.CAPTURING
         try:
-            return self.model.capture(run_step, replay_view_for, metadata)
+            # Graphs serve inference; the replay graphs run the region outside any model
+            # step, where the caller's grad mode does not reach. no_grad, not
+            # inference_mode: the static buffers made here are written in place by every
+            # later step, whichever of the two that step runs under.
+            with torch.no_grad():
+                return self.model.capture(run_step, replay_view_for, metadata)
         except BaseException:
             self.phase = Phase.WARMING
             raise

@@ -7,8 +7,10 @@ by asynchronous copies, so building a step never waits for the step before it.
 from __future__ import annotations
 
 import array
+import dataclasses
 import operator
 from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import torch
 
@@ -240,10 +242,22 @@ def validate_requests(requests, layout: CacheLayout, window: int,
                          f"{max_num_batched_tokens}")
 
 
+@dataclass(frozen=True)
+class ViewField:
+    """Per-view device metadata a model's attention reads (``AttnView.derived[name]``),
+    built on the host from the view's layout, ``build(query_start_loc, seq_lens,
+    kv_start, cache_base, window)`` -> a 1-D int64 host tensor, and sent in the step's
+    one metadata copy instead of in a copy of its own inside the first attention op,
+    on the critical path. The view holds it as ``[-1, width]``."""
+
+    build: Callable[..., torch.Tensor]
+    width: int = 1
+
+
 def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout,
                      window: int, device, max_num_batched_tokens: int | None = None,
-                     inputs_in_metadata: bool = False, metadata: MetadataBuffer | None = None
-                     ) -> StepBatch:
+                     inputs_in_metadata: bool = False, metadata: MetadataBuffer | None = None,
+                     view_fields: Mapping[str, ViewField] | None = None) -> StepBatch:
     """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens (a
     list of ints or a 1-D tensor) and ``blocks[i]`` its cache block.
 
@@ -253,7 +267,10 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     Dynamo would trace the views' storage offsets as symbols of a new graph.
 
     ``metadata``: the copy goes into this fixed buffer (a serving runner's) instead of
-    fresh device memory, and the batch is valid until the buffer's next use."""
+    fresh device memory, and the batch is valid until the buffer's next use.
+
+    ``view_fields``: the model's own per-view metadata (:class:`ViewField`), for the
+    whole batch's view and the replay batch's."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -287,22 +304,24 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     rows_cpu = int64_tensor([len(rows), *rows])  # the count, then the rows
     ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
     last = int64_tensor([q - 1 for q in qsl[1:]])
-    blocks = [attn_row_blocks(q, seq_lens, floors, base, window) for q in (qsl, kqsl)]
+    fields = tuple((view_fields or {}).items())
+    extra = [f.build(q, seq_lens, floors, base, window) for q in (qsl, kqsl) for _, f in fields]
     # One copy to the device for the metadata, every field a view of it, and for the
     # inputs too where the caller allows (each copy is host time before the first kernel).
     # The count and rows come first: in a metadata buffer they sit at its head, where the
     # trim op's gather graph reads them (step_metadata.py).
-    parts = [rows_cpu, slots, comp, last, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *blocks]
+    parts = [rows_cpu, slots, comp, last, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *extra]
     if inputs_in_metadata:
-        count_rows, ids, pos, slots, comp, last, rslots, rpos, blk, rblk = aligned_fields(
+        count_rows, ids, pos, slots, comp, last, rslots, rpos, *extra = aligned_fields(
             [parts[0], ids, pos, *parts[1:]], device, metadata)
     else:
-        count_rows, slots, comp, last, rslots, rpos, blk, rblk = aligned_fields(parts, device, metadata)
+        count_rows, slots, comp, last, rslots, rpos, *extra = aligned_fields(parts, device, metadata)
         ids, pos = to_device(ids, device), to_device(pos, device)
     view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
-    for v, b in ((view, blk), (replay_view, rblk)):
-        v.derived[ATTN_BLOCKS] = b.view(-1, ATTN_BLOCK_FIELDS)
+    for k, v in enumerate((view, replay_view)):
+        for (name, f), t in zip(fields, extra[k * len(fields):]):
+            v.derived[name] = t.view(-1, f.width)
     replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
     return StepBatch(requests, window, ids, pos, last, view, replay, metadata,
                      metadata.generation if metadata is not None else 0, layout)
@@ -318,17 +337,23 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
-# The attention kernel's per-view row blocks (models/attention_triton.py): built with
-# the step's other metadata, so they reach the device in its one copy instead of in a
-# copy of their own inside the step's first attention op, on the critical path.
-ATTN_BLOCKS = "attn_blocks"
-ATTN_BLOCK_FIELDS = 9
+def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, context: int = 0,
+                     view_fields: Mapping[str, ViewField] | None = None) -> StepBatch:
+    """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most
+    ``window`` tokens (so every row is a replay row), every KV write aimed at the pad
+    slot. The first request's rows follow ``context`` positions, whose cache entries its
+    attention reads (whatever they hold: the outputs are thrown away)."""
+    w = min(window, layout.max_model_len - context)
+    if w < 1:
+        raise ValueError(f"context={context} leaves no room in max_model_len={layout.max_model_len}")
+    reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s) + (context if i == 0 else 0))
+            for i, s in enumerate(range(0, num_tokens, w))]
+    b = build_step_batch(reqs, [[0] * r.query_len for r in reqs], [0] * len(reqs), layout, window, device,
+                         view_fields=view_fields)
+    pad = layout.pad_slot
 
-
-def attn_row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int) -> torch.Tensor:
-    """:func:`models.attention_triton.row_blocks` as a flat int64 host tensor."""
-    from .models.attention_triton import NUM_FIELDS, row_blocks  # the models import this module
-
-    if NUM_FIELDS != ATTN_BLOCK_FIELDS:  # pragma: no cover - a kernel change must update both
-        raise RuntimeError("attention row block layout changed: update batch.ATTN_BLOCK_FIELDS")
-    return int64_tensor(row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window))
+    def to_pad(v: AttnView) -> AttnView:
+        comp = None if v.comp_slot_mapping is None else torch.full_like(v.comp_slot_mapping, pad // 2)
+        return dataclasses.replace(v, slot_mapping=torch.full_like(v.slot_mapping, pad), comp_slot_mapping=comp)
+    replay = dataclasses.replace(b.replay, view=to_pad(b.replay.view))
+    return dataclasses.replace(b, view=to_pad(b.view), replay=replay)

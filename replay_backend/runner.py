@@ -8,7 +8,6 @@ only sets the forward context around the call and runs the head on last rows.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import zlib
@@ -18,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import torch_compat
-from .batch import AttnView, RequestChunk, StepBatch, build_step_batch, validate_requests
+from .batch import RequestChunk, StepBatch, build_step_batch, dummy_step_batch, validate_requests
 from .forward_context import ForwardContext, StepInfo, set_forward_context
 from .kv_cache import CacheLayout, KVCaches
 from .models import attention_ops, attention_triton
@@ -163,7 +162,8 @@ class StepRunner:
         tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
                                 self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None,
-                                metadata=self.metadata if self._serving else None)
+                                metadata=self.metadata if self._serving else None,
+                                view_fields=attention_ops.VIEW_FIELDS)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
@@ -262,26 +262,9 @@ class StepRunner:
 
     @torch.inference_mode()
     def dummy_batch(self, num_tokens: int, context: int = 0) -> StepBatch:
-        """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most W
-        tokens (so all rows are replay rows), every KV write aimed at the pad slot. The
-        first request's rows follow ``context`` positions, whose cache entries its
-        attention reads (whatever they hold: the output is thrown away)."""
-        w = min(self.cfg.window, self.layout.max_model_len - context)
-        if w < 1:
-            raise ValueError(f"context={context} leaves no room in max_model_len={self.layout.max_model_len}")
-        reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s),
-                             min(w, num_tokens - s) + (context if i == 0 else 0))
-                for i, s in enumerate(range(0, num_tokens, w))]
-        tokens = [[0] * r.query_len for r in reqs]
-        b = build_step_batch(reqs, tokens, [0] * len(reqs), self.layout, self.cfg.window, self.device)
-        pad = self.layout.pad_slot
-
-        def to_pad(v: AttnView) -> AttnView:
-            comp = None if v.comp_slot_mapping is None else torch.full_like(v.comp_slot_mapping, pad // 2)
-            return dataclasses.replace(v, slot_mapping=torch.full_like(v.slot_mapping, pad),
-                                       comp_slot_mapping=comp)
-        replay = dataclasses.replace(b.replay, view=to_pad(b.replay.view))
-        return dataclasses.replace(b, view=to_pad(b.view), replay=replay)
+        """:func:`~replay_backend.batch.dummy_step_batch` for this runner's cache."""
+        return dummy_step_batch(num_tokens, self.layout, self.cfg.window, self.device, context,
+                                attention_ops.VIEW_FIELDS)
 
     def _compiled_for_capture(self):
         if self.backend is None:

@@ -385,3 +385,9 @@ def compile_call_of(compiled) -> object | None:
 def compile_call_state_of(compiled) -> Any:
     call = compile_call_of(compiled)
     return getattr(call, _STATE_ATTR, None) if call is not None else None
+
+
+def custom_op_name(op) -> str | None:
+    """``namespace::name`` of what ``torch.library.custom_op`` returned, else None."""
+    kind = getattr(getattr(torch, "library", None), "CustomOpDef", None)
+    return getattr(op, "_qualname", None) if kind is not None and isinstance(op, kind) else None

@@ -105,11 +105,11 @@ def test_spec_example_step_batch():
 def test_metadata_fields_start_16_byte_aligned_whatever_the_sizes(qlens):
     """Triton specialises pointers on 16-byte alignment: a metadata field whose alignment
     moved with the step's sizes would build new kernel variants inside a served step."""
-    from replay_backend.batch import ATTN_BLOCKS
+    from replay_backend.models.attention_ops import ATTN_BLOCKS, VIEW_FIELDS
 
     layout = CacheLayout(max_model_len=1024, num_blocks=4)
     reqs = [R(f"r{i}", q, q + 7 * i) for i, q in enumerate(qlens)]
-    b = _build(reqs, layout, SPEC_W)
+    b = _build(reqs, layout, SPEC_W, view_fields=VIEW_FIELDS)
     fields = {"slot_mapping": b.view.slot_mapping, "comp_slot_mapping": b.view.comp_slot_mapping,
               "logits_indices": b.logits_indices, "count_rows": b.replay.count_rows,
               "replay slot_mapping": b.replay.view.slot_mapping, "replay positions": b.replay.positions,
@@ -381,7 +381,8 @@ def test_int64_tensor_equals_torch_tensor(values):
 def test_attention_row_blocks_tile_each_request_by_position(qlens, seq_lens, floors):
     """Each block covers up to 64 consecutive rows of one request; its fields follow from
     the positions of those rows (the last ``q`` positions of the sequence)."""
-    from replay_backend.batch import ATTN_BLOCK_FIELDS, attn_row_blocks
+    from replay_backend.models.attention_ops import attn_row_blocks
+    from replay_backend.models.attention_triton import NUM_FIELDS as ATTN_BLOCK_FIELDS
 
     W, base = 16, [1000 * i for i in range(len(qlens))]
     qsl = [sum(qlens[:i]) for i in range(len(qlens) + 1)]

@@ -563,7 +563,7 @@ def test_a_kv_source_the_model_declared_after_the_cut_switches_replay_off():
     model = Toy(4, 1, region_body=write_global_kv).eval()
     with counters.expect(strict=False, fallbacks={"replay_region_unsupported": 1}):
         run_step(torch.compile(model, backend=be, fullgraph=True), model, STEPS[0][0])
-    assert "KV source op toytest.src at src lies after the cut" in be.model.plan.replay_off_reason
+    assert "KV source op toytest::src at src lies after the cut" in be.model.plan.replay_off_reason
 
 
 def test_unsupported_region_with_strict_raises():

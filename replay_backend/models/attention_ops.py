@@ -15,12 +15,25 @@ from __future__ import annotations
 import torch
 
 from .. import torch_compat
-from ..batch import ATTN_BLOCKS, attn_row_blocks
+from ..batch import ViewField, int64_tensor
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from ..passes.roles import declare_attention
 from ..step_metadata import to_device
 from . import attention_triton, cache_triton
+
+# The attention kernel's per-view row blocks (attention_triton.row_blocks): built with
+# the step's other metadata, so they reach the device in its one copy.
+ATTN_BLOCKS = "attn_blocks"
+
+
+def attn_row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int) -> torch.Tensor:
+    """:func:`attention_triton.row_blocks` as a flat int64 host tensor."""
+    return int64_tensor(attention_triton.row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window))
+
+
+# What a runner passes to ``build_step_batch`` for this model's attention.
+VIEW_FIELDS = {ATTN_BLOCKS: ViewField(attn_row_blocks, attention_triton.NUM_FIELDS)}
 
 # The view's longest sequence, kept in ``AttnView.derived``: it bounds the global keys
 # any row reads, which sizes the attention kernel's split (attention_triton.split_plan).
