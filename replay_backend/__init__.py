@@ -7,8 +7,8 @@ from .batch import (AttnView, ReplayRows, RequestChunk, StepBatch, ViewField, bu
 from .config import ReplayConfig
 # The Counters object (SPEC §8: ``replay_backend.counters.expect(...)``), not the module.
 from .counters import counters
-from .dynamic import ReplayCompiled, compile, mark_token_dims
-from .boundary import replay_begin, replay_end
+from .tracing.dynamic import ReplayCompiled, compile, mark_token_dims
+from .tracing.boundary import replay_begin, replay_end
 from .kv_cache import CacheLayout
 from .forward_context import ForwardContext, get_forward_context, set_forward_context
 from .inspection import depyf_debug
@@ -18,8 +18,8 @@ from .plan import SplitPlan, plan_of
 __version__ = "0.1.0"
 
 # The reference model and its runner load on first use: the backend imports no model.
-_REFERENCE = {"DSv41Mini": ".models", "ModelConfig": ".models", "build_model": ".models", "preset": ".models",
-              "StepRunner": ".runner"}
+_REFERENCE = {"DSv41Mini": ".reference", "ModelConfig": ".reference", "build_model": ".reference",
+              "preset": ".reference", "StepRunner": ".reference.runner"}
 
 
 def __getattr__(name: str):

@@ -15,21 +15,21 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from replay_backend.passes.common import is_op
-from replay_backend.passes.region import BEGIN, END, TRIM, ReplayRegionError, extract_replay_region, marked_window
-from replay_backend.passes.roles import OpRole, declared_in
-from replay_backend.passes.row_local import padding_unsafe
-from replay_backend.passes.split import live_across, split_at_ops, step_dependent_ops
+from .passes.common import is_op
+from .passes.region import BEGIN, END, TRIM, ReplayRegionError, extract_replay_region, marked_window
+from .passes.roles import OpRole, declared_in
+from .passes.row_local import padding_unsafe
+from .passes.split import live_across, split_at_ops, step_dependent_ops
 
 from . import inspection, torch_compat
 from .config import ReplayConfig
 from .counters import counters
-from .piece_cache import PieceCache
+from .compiling.piece_cache import PieceCache
 from .plan import SplitPlan
-from .runtime.compiled import CompiledReplayModel
-from .runtime.direct import CallLog
-from .runtime.graphs import GraphLevel, GraphResources, PieceRunner, StrictFallbackError
-from .runtime.trim_op import ReplayRuntime
+from .dispatch.compiled import CompiledReplayModel
+from .dispatch.direct import CallLog
+from .capture.graphs import GraphLevel, GraphResources, PieceRunner, StrictFallbackError
+from .dispatch.trim_op import ReplayRuntime
 
 log = logging.getLogger("replay_backend")
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 from torch import fx
 
-from .runtime.graphs import PieceRunner
+from .capture.graphs import PieceRunner
 
 
 @dataclass

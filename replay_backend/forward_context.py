@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from .batch import AttnView, StepBatch
-    from .kv_cache import KVCaches
 
 
 @dataclass
@@ -28,7 +27,7 @@ class StepInfo:
 @dataclass
 class ForwardContext:
     batch: "StepBatch"
-    kv: "KVCaches"
+    kv: Any  # the model's own caches, opaque to the backend; its attention ops read them
     # Behaviour of the replay markers when the model runs *uncompiled*: "off" runs the
     # replay layers on the whole batch, "parent" on the replay batch (SPEC §4).
     eager_replay: str = "off"

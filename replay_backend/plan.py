@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from replay_backend.passes.split import PieceInfo
+from .passes.split import PieceInfo
 
 
 @dataclass

@@ -36,7 +36,7 @@ def pytest_report_header(config) -> str:
 def dsv41_backend() -> Iterator[Callable]:
     import torch
 
-    from replay_backend.backend import ReplayBackend
+    from .backend import ReplayBackend
 
     # Dynamo caches compiled frames per code object: without a reset a model class
     # compiled by an earlier test would reuse that test's backend.
@@ -51,21 +51,21 @@ def dsv41_backend() -> Iterator[Callable]:
 
 @pytest.fixture
 def dsv41_counters():
-    from replay_backend.counters import counters
-    from replay_backend.testing import CounterWatch
+    from .counters import counters
+    from .testing import CounterWatch
 
     return CounterWatch(counters)
 
 
 @pytest.fixture
 def dsv41_plan() -> Callable:
-    from replay_backend.plan import plan_of
+    from .plan import plan_of
 
     return plan_of
 
 
 @pytest.fixture
 def dsv41_assert_plan() -> Callable:
-    from replay_backend.testing import assert_split_plan
+    from .testing import assert_split_plan
 
     return assert_split_plan

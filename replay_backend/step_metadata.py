@@ -2,7 +2,7 @@
 
 Every step's device metadata (slot mappings, replay rows, attention row blocks, and for
 served steps the token ids and positions) travels in one host-to-device copy, each
-field a view of it. A serving :class:`~replay_backend.runner.StepRunner` copies it into
+field a view of it. A serving :class:`~replay_backend.reference.runner.StepRunner` copies it into
 a :class:`MetadataBuffer`, a fixed region of device memory allocated once, so the
 fields have the same address in every served step. The trim op's gather graph reads
 the replay count and rows at the buffer's head in place: they are the first field of

@@ -2,7 +2,7 @@
 pytest plugin (``replay_backend.pytest_plugin``) exposes these through fixtures, and
 any test framework can call them directly.
 
-    from replay_backend.testing import assert_split_plan
+    from .testing import assert_split_plan
     assert_split_plan(backend, main={"graph": 22, "attention": 21, "replay": 1},
                       replay_layers=[21, 39], capture_sizes=[...])
 """

@@ -23,12 +23,12 @@ import time
 import torch
 
 from replay_backend.backend import ReplayBackend
-from replay_backend.bench_accuracy import CHECK, yardstick
-from replay_backend.cli_options import parse_options
-from replay_backend.compare import max_abs_err
+from replay_backend.reference.accuracy import CHECK, yardstick
+from replay_backend.reference.cli_options import parse_options
+from replay_backend.reference.compare import max_abs_err
 from replay_backend.config import ReplayConfig
-from replay_backend.models import build_model, preset
-from replay_backend.runner import StepRunner
+from replay_backend.reference import build_model, preset
+from replay_backend.reference.runner import StepRunner
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from replay_backend.bench_profile import kernels
-from replay_backend.models import attention_triton as at
+from replay_backend.bench.profile import kernels
+from replay_backend.reference import attention_triton as at
 
 HEADS, D, WINDOW = 16, 128, 128
 SHAPES = [  # (rows, seq_len, ratio): replay rows of one prompt, then whole prompts

@@ -25,8 +25,8 @@ import torch
 
 from replay_backend import batch as current
 from replay_backend.kv_cache import CacheLayout
-from replay_backend.models import preset
-from replay_backend.runner import PromptTokens
+from replay_backend.reference import preset
+from replay_backend.reference.runner import PromptTokens
 
 SHAPES = {"1x1024": [1024], "8x1024": [1024] * 8, "1x4096": [4096], "16x1024": [1024] * 16}
 

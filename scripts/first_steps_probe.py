@@ -20,10 +20,10 @@ import torch
 import triton
 
 from replay_backend.backend import ReplayBackend
-from replay_backend.bench_timing import ttft
+from replay_backend.bench.timing import ttft
 from replay_backend.config import ReplayConfig
-from replay_backend.models import build_model, preset
-from replay_backend.runner import StepRunner
+from replay_backend.reference import build_model, preset
+from replay_backend.reference.runner import StepRunner
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import torch
 
 from replay_backend import triton_compat as _triton
 from replay_backend.triton_compat import triton
-from replay_backend.runtime import row_moves
+from replay_backend.dispatch import row_moves
 
 
 def host_us(fn, calls: int) -> float:

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from replay_backend.models import sinkhorn_triton as st
-from replay_backend.models.layers import mm_fp32, sinkhorn
+from replay_backend.reference import sinkhorn_triton as st
+from replay_backend.reference.layers import mm_fp32, sinkhorn
 
 HC, HIDDEN, ITERS = 4, 256, 20
 

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from replay_backend.cli_options import parse_options
-from replay_backend.models import PRESETS, build_model, preset
-from replay_backend.soak import soak
+from replay_backend.reference.cli_options import parse_options
+from replay_backend.reference import PRESETS, build_model, preset
+from replay_backend.reference.soak import soak
 
 
 def main() -> int:

@@ -26,7 +26,8 @@ from graph_launch_probe import SPIN_CYCLES, host_us
 
 from replay_backend.batch import RequestChunk
 from replay_backend.forward_context import get_forward_context
-from replay_backend.runtime import graphs, trim_io
+from replay_backend.capture import graphs
+from replay_backend.dispatch import trim_io
 
 
 @contextmanager

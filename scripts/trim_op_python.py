@@ -20,8 +20,9 @@ import statistics
 import torch
 
 from replay_backend import ReplayBackend, RequestChunk, StepRunner, build_model, preset
-from replay_backend.bench_timing import host_probe
-from replay_backend.runtime import graphs, row_moves
+from replay_backend.bench.timing import host_probe
+from replay_backend.capture import graphs
+from replay_backend.dispatch import row_moves
 
 
 def main() -> None:

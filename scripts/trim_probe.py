@@ -28,12 +28,13 @@ import torch
 
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
-from replay_backend.bench_timing import host_probe
+from replay_backend.bench.timing import host_probe
 from replay_backend.config import ReplayConfig
 from replay_backend.counters import counters
-from replay_backend.models import build_model, preset
-from replay_backend.runner import StepRunner
-from replay_backend.runtime import row_moves, trim_io
+from replay_backend.reference import build_model, preset
+from replay_backend.reference.runner import StepRunner
+from replay_backend.dispatch import row_moves
+from replay_backend.dispatch import trim_io
 
 
 def _timed(cls, name: str, into: dict) -> None:

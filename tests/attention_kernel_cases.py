@@ -4,8 +4,8 @@ cases shared by the CPU test (under Triton's interpreter, in a child process) an
 GPU test."""
 import torch
 
-from replay_backend.models import attention_triton
-from replay_backend.models.attention_ops import _attend_request
+from replay_backend.reference import attention_triton
+from replay_backend.reference.attention_ops import _attend_request
 
 WINDOW = 32
 MAX_LEN = 1024  # cache rows per request
@@ -94,7 +94,7 @@ def check_model_steps_split(device: str) -> None:
     with ``attention_split=False`` none split."""
     from conftest import small_config
     from replay_backend import RequestChunk, StepRunner, build_model
-    from replay_backend.compare import max_abs_err, max_abs_err_kv
+    from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 
     at = attention_triton
     saved = at.MIN_SPLIT_KEYS, at.MIN_CHUNK, at._MERGE

@@ -7,9 +7,10 @@ import torch
 from conftest import small_config
 from replay_backend.batch import RequestChunk as R
 from replay_backend.batch import build_step_batch
-from replay_backend.kv_cache import CacheLayout, KVCaches
-from replay_backend.models import cache_triton
-from replay_backend.models.attention_ops import _compress
+from replay_backend.kv_cache import CacheLayout
+from replay_backend.reference.kv_caches import KVCaches
+from replay_backend.reference import cache_triton
+from replay_backend.reference.attention_ops import _compress
 
 
 def check_against_reference(device: str) -> None:

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from replay_backend.models import build_model, preset
-from replay_backend.runner import StepRunner
+from replay_backend.reference import build_model, preset
+from replay_backend.reference.runner import StepRunner
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 

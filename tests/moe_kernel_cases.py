@@ -5,8 +5,8 @@ them: the cases shared by the CPU test (under Triton's interpreter, in a child
 process) and the GPU test."""
 import torch
 
-from replay_backend.models import moe_triton
-from replay_backend.models.layers import MoE
+from replay_backend.reference import moe_triton
+from replay_backend.reference.layers import MoE
 
 
 def _routings(device: str):

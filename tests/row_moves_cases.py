@@ -3,7 +3,7 @@ the cases shared by the CPU test (under Triton's interpreter, in a child process
 the GPU test."""
 import torch
 
-from replay_backend.runtime import row_moves
+from replay_backend.dispatch import row_moves
 
 # The boundary tensors' kinds (hidden and residual bf16, the mixes fp32, positions
 # int64), a row wider than one kernel block, and fp16.

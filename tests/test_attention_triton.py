@@ -32,7 +32,9 @@ def test_capture_builds_every_split_variant_that_served_steps_launch(monkeypatch
 
     from conftest import small_config
     from replay_backend import ReplayBackend, RequestChunk, StepRunner, build_model
-    from replay_backend.models import attention_ops, attention_triton as at, cache_triton
+    from replay_backend.reference import attention_ops
+    from replay_backend.reference import attention_triton as at
+    from replay_backend.reference import cache_triton
 
     monkeypatch.setattr(cache_triton, "write", lambda *args: None)  # a Triton kernel too; the KV is not looked at
     monkeypatch.setattr(at, "MIN_SPLIT_KEYS", 128)

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
-from replay_backend.compare import max_abs_err, max_abs_err_kv
+from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 from replay_backend.counters import counters
-from replay_backend.runner import StepRunner
-from replay_backend.runtime.graphs import GraphLevel, GraphResources, PieceRunner, StaticGraph
+from replay_backend.reference.runner import StepRunner
+from replay_backend.capture.graphs import GraphLevel, GraphResources, PieceRunner, StaticGraph
 
 from conftest import MAX_MODEL_LEN
 
@@ -194,7 +194,7 @@ def test_graph_memory_estimate_needs_cuda(shared):
 def test_fused_sinkhorn_op_compiles_into_the_replay_region(cfg):
     """The fused Sinkhorn is one opaque custom op inside graph pieces, also in the replay
     region (row-local, so the region check accepts it); same numbers as the reference."""
-    from replay_backend.models import build_model
+    from replay_backend.reference import build_model
 
     fused = build_model(cfg.replace(sinkhorn_impl="fused"))
     env = build_env(fused)
@@ -385,7 +385,7 @@ def test_served_trims_take_their_own_path_with_the_general_paths_effect(shared, 
     (``ReplayRuntime._served_trim``), with the gathers and scatter as graphs or as one
     launch each way. The same step through the general path gives the same logits bit
     for bit, the same counters and record; a step whose rows fit no plan falls through."""
-    from replay_backend.runtime.trim_op import ReplayRuntime
+    from replay_backend.dispatch.trim_op import ReplayRuntime
 
     rep = shared.be.model.replay
     assert set(rep._served) == set(rep.io.graphs) and rep._served_sizes == {48, 56, 64}
@@ -453,8 +453,8 @@ def test_a_batch_built_elsewhere_is_staged_and_invalidates_the_buffer(shared):
 
 
 def test_a_metadata_buffer_too_small_for_the_replay_rows_is_a_counted_fallback():
-    from replay_backend.runtime.graphs import StrictFallbackError
-    from replay_backend.runtime.trim_io import TrimIO
+    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.dispatch.trim_io import TrimIO
     from replay_backend.step_metadata import MetadataBuffer
 
     io = TrimIO(32, 64, torch.device("cpu"), GraphResources(use_cuda=False))
@@ -866,7 +866,7 @@ def test_piece_runner_first_serving_replay_detects_a_moved_input():
 
 
 def test_piece_runner_uncaptured_size_after_serving_is_a_counted_fallback():
-    from replay_backend.runtime.graphs import StrictFallbackError
+    from replay_backend.capture.graphs import StrictFallbackError
 
     x, w = torch.randn(4, 3), torch.randn(3, 2)
     level = GraphLevel("main", [4, 8], size=4, may_capture=False)

@@ -11,10 +11,10 @@ from replay_backend.batch import (
     replay_floor,
     replay_rows,
 )
-from replay_backend.batch_spec import parse_batch_spec
+from replay_backend.reference.batch_spec import parse_batch_spec
 from replay_backend.kv_cache import CacheLayout
-from replay_backend.models.config import ModelConfig, preset
-from replay_backend.runner import schedule_prefill
+from replay_backend.reference.config import ModelConfig, preset
+from replay_backend.reference.runner import schedule_prefill
 
 R = RequestChunk
 
@@ -105,7 +105,7 @@ def test_spec_example_step_batch():
 def test_metadata_fields_start_16_byte_aligned_whatever_the_sizes(qlens):
     """Triton specialises pointers on 16-byte alignment: a metadata field whose alignment
     moved with the step's sizes would build new kernel variants inside a served step."""
-    from replay_backend.models.attention_ops import ATTN_BLOCKS, VIEW_FIELDS
+    from replay_backend.reference.attention_ops import ATTN_BLOCKS, VIEW_FIELDS
 
     layout = CacheLayout(max_model_len=1024, num_blocks=4)
     reqs = [R(f"r{i}", q, q + 7 * i) for i, q in enumerate(qlens)]
@@ -381,8 +381,8 @@ def test_int64_tensor_equals_torch_tensor(values):
 def test_attention_row_blocks_tile_each_request_by_position(qlens, seq_lens, floors):
     """Each block covers up to 64 consecutive rows of one request; its fields follow from
     the positions of those rows (the last ``q`` positions of the sequence)."""
-    from replay_backend.models.attention_ops import attn_row_blocks
-    from replay_backend.models.attention_triton import NUM_FIELDS as ATTN_BLOCK_FIELDS
+    from replay_backend.reference.attention_ops import attn_row_blocks
+    from replay_backend.reference.attention_triton import NUM_FIELDS as ATTN_BLOCK_FIELDS
 
     W, base = 16, [1000 * i for i in range(len(qlens))]
     qsl = [sum(qlens[:i]) for i in range(len(qlens) + 1)]

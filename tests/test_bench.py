@@ -7,11 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replay_backend import bench, bench_report, bench_timing, cli
+from replay_backend.bench import run as bench
+from replay_backend.bench import report as bench_report
+from replay_backend.bench import timing as bench_timing
+from replay_backend.reference import cli
 from replay_backend.backend import ReplayBackend
-from replay_backend.compare import max_abs_err
+from replay_backend.reference.compare import max_abs_err
 from replay_backend.counters import counters
-from replay_backend.runner import StepRunner
+from replay_backend.reference.runner import StepRunner
 
 from conftest import MAX_MODEL_LEN
 

@@ -1,12 +1,12 @@
 """The bench's accuracy gate (bench_accuracy) on the CPU."""
 import torch
 
-from replay_backend import bench_report
-from replay_backend.bench_accuracy import (CHECK, DRIFT_FACTOR, REL_FLOOR, fp32_copy, last_logits, nudge_size,
+from replay_backend.bench import report as bench_report
+from replay_backend.reference.accuracy import (CHECK, DRIFT_FACTOR, REL_FLOOR, fp32_copy, last_logits, nudge_size,
                                            yardstick)
-from replay_backend.compare import rel_l2
-from replay_backend.models import build_model, preset
-from replay_backend.runner import StepRunner
+from replay_backend.reference.compare import rel_l2
+from replay_backend.reference import build_model, preset
+from replay_backend.reference.runner import StepRunner
 
 CFG = preset("tiny").with_layers(4, (1,)).replace(window=16)
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from replay_backend import bench_gaps
+from replay_backend.bench import gaps as bench_gaps
 
 
 def _op(name, ts, dur, tid=1, cat="cpu_op"):

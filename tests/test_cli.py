@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from replay_backend.cli import DEFAULT_BATCH, build_parser, main
+from replay_backend.reference.cli import DEFAULT_BATCH, build_parser, main
 
 
 def test_demo_runs_and_reports(capsys):

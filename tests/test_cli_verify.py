@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from replay_backend import cli
-from replay_backend.verify import VerifyResult
+from replay_backend.reference import cli
+from replay_backend.reference.verify import VerifyResult
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 

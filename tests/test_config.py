@@ -9,7 +9,7 @@ from torch import nn
 
 from replay_backend.config import (ReplayConfig, default_capture_sizes, default_replay_capture_sizes,
                                    padded_size)
-from replay_backend.models.attention_ops import ATTENTION_OPS
+from replay_backend.reference.attention_ops import ATTENTION_OPS
 
 
 @pytest.fixture(autouse=True)

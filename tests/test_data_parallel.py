@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from replay_backend import RequestChunk, StepRunner, build_model, preset
 from replay_backend.backend import ReplayBackend
-from replay_backend.compare import max_abs_err, max_abs_err_kv
+from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 
 CFG = preset("tiny").with_layers(6, (1, 2)).replace(window=16)
 # Rank 0 has a long prefill (33 replay rows); rank 1 only decodes (nothing to trim).
@@ -51,7 +51,7 @@ def test_ranks_agree_on_replay():
 
 
 def test_ranks_pad_to_the_largest_rank():
-    from replay_backend.runtime import trim_op
+    from replay_backend.dispatch import trim_op
 
     calls = []
 

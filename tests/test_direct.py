@@ -12,11 +12,11 @@ import torch
 
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk as R
-from replay_backend.compare import max_abs_err, max_abs_err_kv
+from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 from replay_backend.counters import counters
-from replay_backend.runner import StepRunner
-from replay_backend.runtime import direct
-from replay_backend.runtime.graphs import StrictFallbackError
+from replay_backend.reference.runner import StepRunner
+from replay_backend.dispatch import direct
+from replay_backend.capture.graphs import StrictFallbackError
 
 from conftest import MAX_MODEL_LEN
 

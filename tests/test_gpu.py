@@ -6,7 +6,7 @@ import torch
 
 from replay_backend import RequestChunk, StepRunner, build_model, preset
 from replay_backend.backend import ReplayBackend
-from replay_backend.compare import kept_kv, max_abs_err, max_abs_err_kv, within_band
+from replay_backend.reference.compare import kept_kv, max_abs_err, max_abs_err_kv, within_band
 from replay_backend.counters import counters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo"),
@@ -161,7 +161,7 @@ def test_no_recompiles_and_no_memory_growth(model):
 
 
 def test_grouped_moe_matches_dense():
-    from replay_backend.models.layers import MoE
+    from replay_backend.reference.layers import MoE
 
     gen = torch.Generator().manual_seed(0)
     moe = MoE(256, 8, 2, 128, 128, gen, impl="grouped").to("cuda", torch.bfloat16)
@@ -178,8 +178,8 @@ def test_moe_kernels_match_the_pytorch_ops_to_the_bit(monkeypatch):
     them on a mini-2k-shaped MoE, with a step above the kernels' size taking the
     PyTorch ops."""
     from moe_kernel_cases import check_against_reference
-    from replay_backend.models import moe_triton
-    from replay_backend.models.layers import MoE
+    from replay_backend.reference import moe_triton
+    from replay_backend.reference.layers import MoE
 
     check_against_reference("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -195,8 +195,8 @@ def test_moe_kernels_match_the_pytorch_ops_to_the_bit(monkeypatch):
 
 
 def test_fused_sinkhorn_matches_reference():
-    from replay_backend.models import sinkhorn_triton
-    from replay_backend.models.layers import sinkhorn
+    from replay_backend.reference import sinkhorn_triton
+    from replay_backend.reference.layers import sinkhorn
 
     mix = torch.randn(1000, 24, device="cuda") * 3  # a strided [T, 4, 4] view, as in the model
     logits = mix[:, 8:].view(1000, 4, 4)
@@ -216,7 +216,7 @@ def test_mhc_mix_ops_under_inductor_match_eager():
     results, its Sinkhorn part a strided view), compiled by Inductor with a dynamic token
     count: the same numbers as eager. The ops must read the layout Inductor gives them,
     not one fixed when they were traced."""
-    from replay_backend.models.layers import HyperConnection
+    from replay_backend.reference.layers import HyperConnection
 
     gen = torch.Generator().manual_seed(3)
     hc = HyperConnection(4, 256, 1e-6, 1e-6, 20, gen, sinkhorn_impl="fused").to("cuda", torch.bfloat16)
@@ -230,7 +230,7 @@ def test_mhc_mix_ops_under_inductor_match_eager():
 def test_grouped_moe_under_inductor_matches_eager():
     """The grouped MoE op inside an Inductor-compiled graph (as in every piece of a bf16
     CUDA model) against the same module run eagerly."""
-    from replay_backend.models.layers import MoE
+    from replay_backend.reference.layers import MoE
 
     gen = torch.Generator().manual_seed(0)
     moe = MoE(256, 8, 2, 128, 128, gen, impl="grouped").to("cuda", torch.bfloat16)
@@ -243,7 +243,7 @@ def test_grouped_moe_under_inductor_matches_eager():
 def test_mm_fp32_is_the_upcast_product():
     """16-bit operands into an fp32 result: the same numbers as upcasting first (exact
     products, fp32 sums), only the summation order may differ."""
-    from replay_backend.models.layers import mm_fp32
+    from replay_backend.reference.layers import mm_fp32
 
     x = torch.randn(3000, 8192, device="cuda").to(torch.bfloat16)
     w = torch.randn(24, 8192, device="cuda").to(torch.bfloat16)
@@ -299,7 +299,7 @@ def test_capture_survives_a_collection_that_frees_dropped_graphs():
     captures invalidates that capture unless collection is paused (graphs.py)."""
     import gc
 
-    from replay_backend.runtime.graphs import GraphResources, StaticGraph
+    from replay_backend.capture.graphs import GraphResources, StaticGraph
 
     res = GraphResources(use_cuda=True)
     x = torch.arange(64, dtype=torch.float32, device="cuda")
@@ -339,7 +339,7 @@ def test_serving_soak_at_the_real_window_has_no_mismatch():
     """A shorter scripts/soak.py: the 40-layer tiny preset (W = 128) in fp32, the
     backend's default options, 150 steps of random mixed traffic, every written cache
     slot and every logit against the oracle."""
-    from replay_backend.soak import soak
+    from replay_backend.reference.soak import soak
 
     report = soak(build_model(preset("tiny"), "cuda", torch.float32), 150, seed=11, max_num_seqs=8,
                   max_model_len=4096, max_num_batched_tokens=2048)

@@ -14,10 +14,10 @@ import torch
 
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk as R
-from replay_backend.compare import max_abs_err, max_abs_err_kv
+from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 from replay_backend.counters import counters
-from replay_backend.models import build_model, preset
-from replay_backend.runner import StepRunner
+from replay_backend.reference import build_model, preset
+from replay_backend.reference.runner import StepRunner
 
 pytestmark = pytest.mark.inductor
 
@@ -86,7 +86,7 @@ def test_an_eager_step_on_the_40_layer_tiny_preset_matches_the_oracle(capsys):
     row and the logits match the eager oracle. With the routing's former jumps, one of
     its rows sat within 1e-6 of a switch in layer 38 and its KV was 0.11 off
     (tests/test_model.py checks the continuity itself)."""
-    from replay_backend import cli
+    from replay_backend.reference import cli
 
     code = cli.main(["verify", "--batch", "p:128/128,d:1/300", "--preset", "tiny", "--device", "cpu",
                      "--option", "compiler=inductor", "--option", "cudagraph_mode=none", "--json"])

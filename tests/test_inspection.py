@@ -26,7 +26,7 @@ from replay_backend.config import DUMP_ENV_VAR, ReplayConfig
 from replay_backend.counters import counters
 from replay_backend.dump import dump_compiled
 from replay_backend.plan import SplitPlan
-from replay_backend.runtime.graphs import GraphResources, StrictFallbackError
+from replay_backend.capture.graphs import GraphResources, StrictFallbackError
 
 from conftest import MAX_MODEL_LEN
 
@@ -371,7 +371,7 @@ def test_depyf_dumps_our_pieces(tmp_path):
 
 # ---- the CLI and the package ----------------------------------------------------------
 def test_cli_inspect_json_and_dump(model, monkeypatch, tmp_path, capsys):
-    from replay_backend import cli
+    from replay_backend.reference import cli
 
     torch._dynamo.reset()
     monkeypatch.setattr(cli, "_model_for", lambda args: (model, "cpu", "small"))

@@ -59,14 +59,16 @@ def test_wheel_maps_passes_into_the_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "replay_backend/passes/__init__.py" in names
     assert not [n for n in names if n.startswith("passes/")], "a top-level passes/ package leaked into the wheel"
-    for mod in ("replay_backend/__init__.py", "replay_backend/models/attention_ops.py",
-                "replay_backend/runtime/__init__.py", "replay_backend/cli.py"):
+    for mod in ("replay_backend/__init__.py", "replay_backend/tracing/dynamic.py", "replay_backend/compiling/__init__.py",
+                "replay_backend/capture/graphs.py", "replay_backend/dispatch/trim_op.py",
+                "replay_backend/reference/attention_ops.py", "replay_backend/reference/cli.py",
+                "replay_backend/bench/run.py"):
         assert mod in names
     assert not [n for n in names if n.startswith("tests/")]
     ep = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert len(ep) == 1
     text = zipfile.ZipFile(wheel).read(ep[0]).decode()
-    assert "replay-backend = replay_backend.cli:main" in text
+    assert "replay-backend = replay_backend.reference.cli:main" in text
     assert "[torch_dynamo_backends]" in text
 
 
@@ -100,13 +102,13 @@ def test_public_surface():
 
 
 def test_the_core_imports_no_model():
-    """The backend, its passes, runtime and inspection load without the reference model;
+    """The backend, its passes, dispatch, capture and inspection load without the reference model;
     its names load on first use."""
-    code = ("import sys, replay_backend, replay_backend.backend, replay_backend.runtime.trim_op, "
+    code = ("import sys, replay_backend, replay_backend.backend, replay_backend.dispatch.trim_op, replay_backend.capture.graphs, "
             "replay_backend.passes.row_local, replay_backend.inspection, replay_backend.pytest_plugin\n"
-            "loaded = sorted(m for m in sys.modules if m.startswith('replay_backend.models'))\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('replay_backend.reference'))\n"
             "assert not loaded, loaded\n"
             "assert replay_backend.preset('tiny').num_layers == 40 and replay_backend.StepRunner\n"
-            "assert 'replay_backend.models' in sys.modules\n")
+            "assert 'replay_backend.reference' in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

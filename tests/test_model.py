@@ -9,11 +9,12 @@ import torch
 from replay_backend.batch import RequestChunk
 from replay_backend.batch import build_step_batch
 from replay_backend.forward_context import ForwardContext, set_forward_context
-from replay_backend.kv_cache import CacheLayout, KVCaches
-from replay_backend.models import PRESETS, build_model, preset
-from replay_backend.models import attention_ops
-from replay_backend.models.attention_ops import rms_norm
-from replay_backend.models.layers import (
+from replay_backend.kv_cache import CacheLayout
+from replay_backend.reference.kv_caches import KVCaches
+from replay_backend.reference import PRESETS, build_model, preset
+from replay_backend.reference import attention_ops
+from replay_backend.reference.attention_ops import rms_norm
+from replay_backend.reference.layers import (
     HyperConnection,
     MoE,
     apply_rope,

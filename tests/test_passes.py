@@ -17,7 +17,7 @@ from torch import nn
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk as R
 from replay_backend.batch import build_step_batch
-from replay_backend.boundary import replay_begin, replay_end
+from replay_backend.tracing.boundary import replay_begin, replay_end
 from replay_backend.counters import counters
 from replay_backend.forward_context import ForwardContext, get_forward_context, set_forward_context
 from replay_backend.kv_cache import CacheLayout
@@ -567,7 +567,7 @@ def test_a_kv_source_the_model_declared_after_the_cut_switches_replay_off():
 
 
 def test_unsupported_region_with_strict_raises():
-    from replay_backend.runtime.graphs import StrictFallbackError
+    from replay_backend.capture.graphs import StrictFallbackError
 
     model = Toy(4, 1, region_body=_mix_tokens).eval()
     compiled = torch.compile(model, backend=toy_backend(strict=True), fullgraph=True)

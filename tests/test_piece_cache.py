@@ -7,9 +7,9 @@ import torch
 from replay_backend import RequestChunk, StepRunner
 from replay_backend import torch_compat
 from replay_backend.backend import ReplayBackend
-from replay_backend.compare import max_abs_err, max_abs_err_kv
+from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 from replay_backend.counters import counters
-from replay_backend.piece_cache import PieceCache, piece_key
+from replay_backend.compiling.piece_cache import PieceCache, piece_key
 
 
 @pytest.fixture(autouse=True)

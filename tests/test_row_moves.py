@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import check_interpreted, needs_triton, run_interpreted
-from replay_backend.runtime import row_moves
-from replay_backend.runtime.graphs import StrictFallbackError
+from replay_backend.dispatch import row_moves
+from replay_backend.capture.graphs import StrictFallbackError
 
 
 @needs_triton
@@ -26,11 +26,11 @@ def test_trimmed_steps_without_main_graphs_run_the_kernel_and_match_the_oracle()
         from conftest import small_config
         from replay_backend.backend import ReplayBackend
         from replay_backend.batch import RequestChunk as R
-        from replay_backend.compare import max_abs_err
+        from replay_backend.reference.compare import max_abs_err
         from replay_backend.counters import counters
-        from replay_backend.models import build_model
-        from replay_backend.runner import StepRunner
-        from replay_backend.runtime import row_moves as rm
+        from replay_backend.reference import build_model
+        from replay_backend.reference.runner import StepRunner
+        from replay_backend.dispatch import row_moves as rm
 
         launches = []
         launch = rm.launch

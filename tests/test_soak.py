@@ -7,8 +7,8 @@ import torch
 
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
-from replay_backend.runner import StepRunner
-from replay_backend.soak import Soak, Traffic, spec_of, written_slots
+from replay_backend.reference.runner import StepRunner
+from replay_backend.reference.soak import Soak, Traffic, spec_of, written_slots
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
@@ -73,7 +73,7 @@ def test_written_slots_follow_the_cache_layout(model):
 def test_a_16_bit_soak_measures_its_noise_and_still_sees_one_wrong_row(model):
     """bf16: each part is judged against the run's rounding-noise envelope (the model
     with its embedding one rounding away), by its worst row, so one wrong row stands out."""
-    from replay_backend.bench_accuracy import fp32_copy
+    from replay_backend.reference.accuracy import fp32_copy
 
     m16 = fp32_copy(model).to(torch.bfloat16)
     runner = StepRunner(m16, backend=ReplayBackend(**OPTS), **KW)

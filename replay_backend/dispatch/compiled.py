@@ -16,7 +16,7 @@ from torch import fx
 from .. import torch_compat
 from ..config import ReplayConfig, padded_size
 from ..forward_context import StepInfo, get_forward_context, has_forward_context
-from .graphs import GraphLevel, GraphResources, PieceRunner
+from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .trim_op import ReplayRuntime
 
 log = logging.getLogger("replay_backend")
@@ -120,10 +120,10 @@ class CompiledReplayModel:
     # ---- capture --------------------------------------------------------------------
     def estimate_graph_memory(self, run_step_without_graphs, replay_view_for):
         """What :meth:`capture` will take from the GPU, measured without capturing
-        (a :class:`~replay_backend.runtime.memory.GraphMemoryEstimate`).
+        (a :class:`~replay_backend.capture.memory.GraphMemoryEstimate`).
         ``run_step_without_graphs(n)`` runs a dummy step of ``n`` tokens with a forward
         context whose ``use_graphs`` is False."""
-        from .memory import estimate_graph_memory
+        from ..capture.memory import estimate_graph_memory
 
         return estimate_graph_memory(self, run_step_without_graphs, replay_view_for)
 

@@ -9,14 +9,15 @@ import time
 
 import torch
 
-from . import bench, torch_compat
-from .backend import ReplayBackend
+from .. import torch_compat
+from ..bench import run as bench
+from ..backend import ReplayBackend
 from .batch_spec import parse_batch_spec
 from .cli_options import parse_options
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
-from .config import ReplayConfig
-from .models import PRESETS, build_model, preset
-from .plan import plan_of
+from ..config import ReplayConfig
+from . import PRESETS, build_model, preset
+from ..plan import plan_of
 from .runner import StepRunner
 from .verify import verify_step
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import torch_compat
-from .backend import Phase, ReplayBackend
-from .config import ReplayConfig
+from .. import torch_compat
+from ..backend import Phase, ReplayBackend
+from ..config import ReplayConfig
 
 
 def mark_token_dims(*tensors: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ class ReplayCompiled(nn.Module):
 
     @property
     def plan(self):
-        from .plan import plan_of
+        from ..plan import plan_of
 
         return plan_of(self.backend)
 

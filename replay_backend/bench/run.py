@@ -19,17 +19,17 @@ from dataclasses import asdict
 
 import torch
 
-from . import torch_compat
-from .backend import ReplayBackend
-from .bench_accuracy import CHECK, yardstick
-from .bench_report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
-from .bench_timing import ModeRun, TimedMode, host_probe, sync, time_points
-from .cli_options import parse_options
-from .compare import max_abs_err
-from .config import ReplayConfig
-from .models import build_model, preset
-from .piece_cache import PieceCache
-from .runner import StepRunner
+from .. import torch_compat
+from ..backend import ReplayBackend
+from ..reference.accuracy import CHECK, yardstick
+from .report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
+from .timing import ModeRun, TimedMode, host_probe, sync, time_points
+from ..reference.cli_options import parse_options
+from ..reference.compare import max_abs_err
+from ..config import ReplayConfig
+from ..reference import build_model, preset
+from ..compiling.piece_cache import PieceCache
+from ..reference.runner import StepRunner
 
 MODE_OPTIONS = {
     "off": {"cudagraph_mode": "none", "decoder_replay": False},

@@ -20,7 +20,8 @@ from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from ..passes.roles import declare_attention
 from ..step_metadata import to_device
-from . import attention_triton, cache_triton
+from . import attention_triton
+from . import cache_triton
 
 # The attention kernel's per-view row blocks (attention_triton.row_blocks): built with
 # the step's other metadata, so they reach the device in its one copy.

@@ -6,7 +6,8 @@ from torch import nn
 
 from ..oplib import define_op
 from ..passes.roles import declare_row_local
-from . import moe_triton, sinkhorn_triton
+from . import moe_triton
+from . import sinkhorn_triton
 from .attention_ops import rms_norm
 
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .bench_profile import kernel_floor_ms, profile_to
-from .counters import counters
-from .runner import StepRunner
+from .profile import kernel_floor_ms, profile_to
+from ..counters import counters
+from ..reference.runner import StepRunner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .bench import SharedTrace
+    from .run import SharedTrace
 
 # Counters a served step should never move: each one is a slow path taken inside a
 # timed run (``ModeRun.events``, the report's EVENTS section).

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .batch import StepBatch, kept_len
-from .kv_cache import KVCaches
+from ..batch import StepBatch, kept_len
+from .kv_caches import KVCaches
 
 
 def replay_kv_slots(batch: StepBatch) -> torch.Tensor:

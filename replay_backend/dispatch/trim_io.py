@@ -29,7 +29,7 @@ import torch
 
 from ..counters import counters
 from ..step_metadata import MetadataBuffer
-from .graphs import GraphResources, StaticGraph
+from ..capture.graphs import GraphResources, StaticGraph
 
 
 def _gather(k: int, size: int):

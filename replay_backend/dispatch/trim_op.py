@@ -20,7 +20,7 @@ from ..config import ReplayConfig, padded_size
 from ..counters import counters
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
-from .graphs import GraphLevel, GraphResources
+from ..capture.graphs import GraphLevel, GraphResources
 from .row_moves import RowMoves
 from .trim_io import TrimIO
 

@@ -16,14 +16,16 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import torch_compat
-from .batch import RequestChunk, StepBatch, build_step_batch, dummy_step_batch, validate_requests
-from .forward_context import ForwardContext, StepInfo, set_forward_context
-from .kv_cache import CacheLayout, KVCaches
-from .models import attention_ops, attention_triton
-from .models.dsv41_mini import DSv41Mini
-from .runtime import direct
-from .step_metadata import MetadataBuffer, metadata_capacity
+from .. import torch_compat
+from ..batch import RequestChunk, StepBatch, build_step_batch, dummy_step_batch, validate_requests
+from ..forward_context import ForwardContext, StepInfo, set_forward_context
+from ..kv_cache import CacheLayout
+from .kv_caches import KVCaches
+from . import attention_ops
+from . import attention_triton
+from .dsv41_mini import DSv41Mini
+from ..dispatch import direct
+from ..step_metadata import MetadataBuffer, metadata_capacity
 
 log = logging.getLogger("replay_backend")
 

@@ -5,11 +5,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .backend import ReplayBackend
-from .batch import RequestChunk
+from ..backend import ReplayBackend
+from ..batch import RequestChunk
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
-from .config import ReplayConfig
-from .models.dsv41_mini import DSv41Mini
+from ..config import ReplayConfig
+from .dsv41_mini import DSv41Mini
 from .runner import StepRunner
 
 

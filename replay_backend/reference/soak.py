@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import RequestChunk, kept_len
-from .bench_accuracy import REL_FLOOR, fp32_copy
+from ..batch import RequestChunk, kept_len
+from .accuracy import REL_FLOOR, fp32_copy
 from .compare import BAND_FACTOR, default_tolerance, max_abs_err
-from .counters import counters
+from ..counters import counters
 from .runner import StepOutput, StepRunner
 
 
@@ -312,7 +312,7 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
          max_seconds: float | None = None) -> SoakReport:
     """Capture a serving runner for ``model`` (a ReplayBackend with ``options``) and
     soak it against the oracle for ``steps`` steps of traffic drawn from ``seed``."""
-    from .backend import ReplayBackend
+    from ..backend import ReplayBackend
 
     opts = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, **(options or {})}
     backend = ReplayBackend(**opts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .batch import RequestChunk
+from ..batch import RequestChunk
 
 _ITEM = re.compile(r"^([pdk]):(\d+)(?:/(\d+))?$")
 

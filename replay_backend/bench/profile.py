@@ -32,7 +32,7 @@ def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str 
 
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench_gaps import analyse_file
+    from .gaps import analyse_file
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_compat
-from .forward_context import get_forward_context, has_forward_context
-from .passes.roles import declare_row_local
+from .. import torch_compat
+from ..forward_context import get_forward_context, has_forward_context
+from ..passes.roles import declare_row_local
 
 BEGIN_OP = "dsv41_replay::replay_begin"
 END_OP = "dsv41_replay::replay_end"

@@ -3,14 +3,14 @@
 ``forward(input_ids, positions)`` returns the final-normed hidden state of every row;
 ``compute_logits`` runs the head on the rows the caller selects (each request's last
 row). Everything after the last KV source is the replay region, delimited with the
-markers of :mod:`replay_backend.boundary`.
+markers of :mod:`replay_backend.tracing.boundary`.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..boundary import replay_begin, replay_end
+from ..tracing.boundary import replay_begin, replay_end
 from . import attention_ops  # noqa: F401  (registers the dsv41:: ops)
 from .config import ModelConfig
 from .layers import (MoE, HyperConnection, RMSNorm, _param, apply_rope, branch_std, hc_collapse, hc_merge,
