@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .passes.common import is_op
 from .passes.region import BEGIN, END, TRIM, ReplayRegionError, extract_replay_region, marked_window
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
@@ -25,6 +24,7 @@ from . import inspection, torch_compat
 from .config import ReplayConfig
 from .counters import counters
 from .compiling.piece_cache import PieceCache
+from .compiling.pieces import PieceCompiler, wrap_uncompiled
 from .plan import SplitPlan
 from .dispatch.compiled import CompiledReplayModel
 from .dispatch.direct import CallLog
@@ -186,56 +186,6 @@ def _token_inputs(gm: fx.GraphModule, fake_inputs: list) -> tuple[list[int], lis
     return tokens, syms
 
 
-def _wrap(split: fx.GraphModule, name: str, fn, level: GraphLevel, res: GraphResources) -> None:
-    sub = getattr(split, name)
-    split._modules[name] = PieceRunner(name, fn if fn is not None else sub, level, res, source=sub)
-
-
-def _wrap_uncompiled(split: fx.GraphModule, infos, level: GraphLevel, res: GraphResources) -> None:
-    """``compiler="eager"``: pieces run as they are, so no example inputs are needed and
-    the fake-tensor pass over the whole graph is skipped."""
-    for info in infos:
-        counters.pieces[info.kind] += 1
-        if info.kind == "graph":
-            _wrap(split, info.name, None, level, res)
-
-
-class _Compiler(torch.fx.Interpreter):
-    """Runs a split graph on fake inputs and compiles each graph piece with the inputs it
-    sees (vLLM's piecewise-compile idea); splitting-op pieces stay eager."""
-
-    def __init__(self, split: fx.GraphModule, infos, cfg: ReplayConfig, level: GraphLevel,
-                 res: GraphResources, cache: PieceCache, on_trim=None) -> None:
-        super().__init__(split)
-        self.infos = {p.name: p for p in infos}
-        self.cfg, self.level, self.res, self.on_trim = cfg, level, res, on_trim
-        self.cache = cache
-
-    def call_module(self, target, args, kwargs):
-        out = super().call_module(target, args, kwargs)
-        info = self.infos[target]
-        counters.pieces[info.kind] += 1
-        if info.kind == "replay" and self.on_trim is not None:
-            self.on_trim(_trim_call_args(self.fetch_attr(target), args))
-        if info.kind != "graph":
-            return out
-        sub = self.fetch_attr(target)
-        fn, hit = self.cache.get_or_compile(sub, args, lambda: torch_compat.inductor_compile(
-            sub, list(args), self.cfg.inductor_mode))
-        counters.piece_cache_hits += int(hit)
-        counters.compilations += int(not hit)
-        _wrap(self.module, target, fn, self.level, self.res)
-        return out
-
-
-def _trim_call_args(piece: fx.GraphModule, args) -> tuple[list, list]:
-    """The (rows, consts) values the trim op receives inside its one-op piece."""
-    env = dict(zip((n for n in piece.graph.nodes if n.op == "placeholder"), args))
-    call = next(n for n in piece.graph.nodes if is_op(n, TRIM))
-    rows, consts = fx.map_arg((call.args[0], call.args[1]), lambda n: env[n])
-    return list(rows), list(consts)
-
-
 def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, splitting: tuple[str, ...]) -> None:
     """An op that reads per-step state (tagged ``cudagraph_unsafe``) must be a splitting op
     when pieces are captured. The boundary markers are exempt: a graphed step runs them
@@ -305,18 +255,18 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
 
         def compile_region(trim_args):
             rows, consts = trim_args
-            _Compiler(rsplit, replay_infos, cfg, rlevel, res, cache).run(rows[0].shape[0], *rows, *consts)
+            PieceCompiler(rsplit, replay_infos, cfg, rlevel, res, cache).run(rows[0].shape[0], *rows, *consts)
     else:
         compile_region = None
 
     if cfg.compiler == "eager":
-        _wrap_uncompiled(split, main_infos, main_level, res)
+        wrap_uncompiled(split, main_infos, main_level, res)
         if region is not None:
-            _wrap_uncompiled(rsplit, replay_infos, rlevel, res)
+            wrap_uncompiled(rsplit, replay_infos, rlevel, res)
     else:
         ctx = fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
         with ctx:
-            _Compiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
+            PieceCompiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
 
     if region is not None:
         trim_piece = next(p.name for p in main_infos if p.kind == "replay")
