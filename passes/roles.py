@@ -47,7 +47,8 @@ def _packet(op):
     if isinstance(op, torch._ops.OpOverload):
         op = op.overloadpacket
     if not isinstance(op, torch._ops.OpOverloadPacket):
-        raise ValueError(f"expected a torch op (torch.ops.ns.name) or a 'namespace::name' string, got {op!r}")
+        raise ValueError(f"expected a torch op (torch.ops.ns.name, a torch.library.custom_op) or a 'namespace::name' "
+                         f"string, got {op!r}")
     return op
 
 
@@ -57,7 +58,8 @@ def declare(op, *roles: OpRole) -> None:
 
 
 def declare_attention(*ops, kv_source: bool = False) -> None:
-    """Declare attention ops (``torch.ops.ns.name`` or ``"ns::name"``): eager breaks
+    """Declare attention ops (``torch.ops.ns.name``, ``"ns::name"`` or what
+    ``torch.library.custom_op`` returned): eager breaks
     between graph pieces, the default ``splitting_ops``; with ``kv_source`` they also
     write KV that later layers read, so they must not follow the replay cut."""
     for op in ops:

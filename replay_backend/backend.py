@@ -23,6 +23,7 @@ from .passes.split import live_across, split_at_ops, step_dependent_ops
 from . import inspection, torch_compat
 from .config import ReplayConfig
 from .counters import counters
+from .forward_context import has_forward_context
 from .compiling.piece_cache import PieceCache
 from .compiling.pieces import PieceCompiler, wrap_uncompiled
 from .plan import SplitPlan
@@ -87,6 +88,10 @@ class ReplayBackend:
         ``replay_view_for(n)`` gives the attention view of ``n`` dummy replay rows.
         Returns the per-runner capture summary; :meth:`start_serving` comes next."""
         self._expect("capture", Phase.WARMING)
+        if not has_forward_context():
+            raise RuntimeError("dsv41_replay: capture() needs a forward context around it: the replay graphs "
+                               "are captured outside any model step, so wrap the call in "
+                               "set_forward_context(ForwardContext(dummy_step_batch(...), kv=your_cache))")
         self.phase = Phase.CAPTURING
         try:
             # Graphs serve inference; the replay graphs run the region outside any model

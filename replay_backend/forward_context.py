@@ -87,8 +87,9 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError(
-            "no forward context is set: DSv4.1 attention and replay ops must run inside "
-            "replay_backend.set_forward_context(...) (the StepRunner does this for you)")
+            "no forward context is set: attention ops and the replay markers read the step from it, so run "
+            "the model (and capture()) inside replay_backend.set_forward_context(ForwardContext(batch, kv)); "
+            "the reference StepRunner does this for you")
     return _current
 
 

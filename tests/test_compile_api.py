@@ -68,6 +68,9 @@ def test_lifecycle_steps_out_of_order_are_clear_errors():
     with pytest.raises(RuntimeError, match=r"start_serving\(\) while tracing"):
         compiled.start_serving()
     compiled(*_inputs(4))
+    with pytest.raises(RuntimeError, match=r"capture\(\) needs a forward context"):
+        compiled.capture(lambda n: None, lambda n: None)
+    assert compiled.phase is Phase.WARMING  # nothing half-done
     compiled.start_serving()
     compiled.start_serving()  # again: already serving, nothing to do
     with pytest.raises(RuntimeError, match=r"capture\(\) while serving"):

@@ -79,9 +79,14 @@ class ReplayCompiled(nn.Module):
         return self.backend.phase
 
     def capture(self, run_step: Callable[[int], Any], replay_view_for: Callable[[int], Any], metadata=None) -> dict:
+        """Capture every graph after the warm-up steps (:meth:`ReplayBackend.capture`):
+        ``run_step(n)`` runs a dummy step of ``n`` tokens through this model,
+        ``replay_view_for(n)`` gives the ``AttnView`` of ``n`` dummy replay rows; call it
+        inside a forward context whose ``kv`` is your cache."""
         return self.backend.capture(run_step, replay_view_for, metadata)
 
     def start_serving(self) -> None:
+        """No capture and no new graph from now on (:meth:`ReplayBackend.start_serving`)."""
         self.backend.start_serving()
 
     @property
