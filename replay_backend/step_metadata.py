@@ -92,7 +92,7 @@ def aligned_fields(parts: list[torch.Tensor], device, buffer: MetadataBuffer | N
     odd length is followed by one pad element). Triton specialises a pointer argument on
     16-byte alignment: a field whose offset moved with the step's sizes would build new
     variants of the kernels that read it on the first step where it fell odd, inside
-    that step (four attention variants, about 4 s; docs/benchmarks.md)."""
+    that step (seconds of Triton builds)."""
     chunks, starts, end = [], [], 0
     pad = parts[0].new_zeros(1)
     for x in parts:

@@ -4,12 +4,17 @@ The core's row-move kernels and a model's kernels import Triton from here, and r
 their PyTorch reference where ``available()`` is false (CPU machines without it)."""
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 from typing import Callable
 
 import torch
 
 from . import torch_compat
+from .counters import counters
+
+log = logging.getLogger("replay_backend")
 
 try:
     import triton
@@ -37,14 +42,15 @@ def aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
 def direct_launcher(build) -> Callable | None:
     """A launch of ``build`` (a kernel's compiled build, as ``kernel[grid](...)``
     returns it) without Triton's per-call Python layers, or None where this Triton's
-    build lacks the parts it calls. Call it as ``launch(grid, stream, *args)`` with every
-    argument of the kernel, constexprs included.
+    build does not launch the way the direct call restates. Call it as
+    ``launch(grid, stream, *args)`` with every argument of the kernel, constexprs
+    included.
 
     ``build[grid](*args)`` asks torch for the current device and stream, builds a
-    launch-metadata dict, and hands the launcher the two launch-hook chains, which it
+    launch-metadata dict and hands the launcher the two launch-hook chains, which it
     calls around the launch even when they are empty: host time on every launch. The
-    direct call gives the stream and no hooks, to the launcher's C entry itself where
-    :func:`_c_entry` allows. While a launch hook is registered (a profiler such as
+    direct call makes the same call of the compiled launcher with the stream, no
+    metadata and no hooks. While a launch hook is registered (a profiler such as
     Proton) every launch goes through Triton's path, so the hook sees it.
     """
     launcher = getattr(build, "run", None)  # the compiled launcher (its handles are loaded)
@@ -52,41 +58,39 @@ def direct_launcher(build) -> Callable | None:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if launcher is None or function is None or meta is None or runtime is None:
         return None
-    c_launch, flags = _c_entry(launcher) or (None, ())
+    if not launch_layout_verified(type(build)):
+        counters.fallbacks["triton_launch_layout"] += 1
+        if counters.fallbacks["triton_launch_layout"] == 1:
+            log.warning("dsv41_replay fallback [triton_launch_layout]: this Triton's compiled kernel does not "
+                        "launch as %s; kept kernels launch through Triton's entry", _LAUNCH)
+        return None
 
     def launch(grid, stream, *args) -> None:
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         if _hooked(enter) or _hooked(leave):
             build[grid](*args, stream=stream)
-        elif c_launch is not None:
-            c_launch(grid[0], grid[1], grid[2], stream, function, *flags, meta, None, None, None, *args)
         else:
             launcher(grid[0], grid[1], grid[2], stream, function, meta, None, None, None, *args)
     return launch
 
 
-# Triton versions whose compiled launcher's C entry (``launcher.launch``) takes the grid,
-# stream and function, then the cooperative-grid and PDL flags and the global and profile
-# scratch buffers, then the build's packed metadata, the launch metadata and the two hook
-# chains, then the kernel's arguments (triton/backends/nvidia/driver.py, ``make_launcher``).
-C_LAUNCH_VERSIONS = ("3.6.",)
+# The call of the compiled launcher that the direct launch makes, as Triton's own
+# ``CompiledKernel.__getitem__`` makes it (triton/compiler/compiler.py): the direct launch
+# is used only where that method's source holds this call, so a Triton that reorders
+# the launcher's arguments falls back to its own entry instead of being misread.
+_LAUNCH = ("self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata, "
+           "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)")
 
 
-def _c_entry(launcher) -> tuple[Callable, tuple] | None:
-    """The compiled launcher's C entry and the flags it takes before the metadata, where
-    this Triton's layout is known and the build needs no scratch memory. The Python call
-    around it (``CudaLauncher.__call__``) builds a closure and checks both scratch sizes
-    on every launch, to allocate what such a build needs; without any, it only forwards."""
-    if triton is None or not str(getattr(triton, "__version__", "")).startswith(C_LAUNCH_VERSIONS):
-        return None
-    c_launch = getattr(launcher, "launch", None)
-    if not callable(c_launch) or getattr(launcher, "global_scratch_size", 1) \
-            or getattr(launcher, "profile_scratch_size", 1):
-        return None
-    coop, pdl = getattr(launcher, "launch_cooperative_grid", None), getattr(launcher, "launch_pdl", None)
-    if coop is None or pdl is None:
-        return None
-    return c_launch, (coop, pdl, None, None)
+def launch_layout_verified(build_type: type) -> bool:
+    """Whether ``build_type.__getitem__`` (Triton's compiled kernel) launches with the
+    argument layout the direct launch restates."""
+    try:
+        source = inspect.getsource(build_type.__getitem__)
+    except (AttributeError, OSError, TypeError):
+        return False
+    squeeze = lambda text: "".join(text.split())  # noqa: E731
+    return squeeze(_LAUNCH) in squeeze(source)
 
 
 def _hooked(hook) -> bool:

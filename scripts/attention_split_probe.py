@@ -14,6 +14,7 @@ usage: python3 scripts/attention_split_probe.py
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -55,6 +56,7 @@ def _gpu_us(fn, reps: int = 20) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -167,7 +167,7 @@ def test_a_kept_build_that_fails_later_is_a_counted_fallback_for_every_signature
 
 
 @needs_triton
-def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registered():
+def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registered(monkeypatch):
     """The kept build's direct launch calls Triton's launcher with the stream and no hook
     chains; while a launch hook is registered (a profiler) it goes through Triton's path,
     so the hook sees the launch."""
@@ -186,6 +186,8 @@ def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registere
         def __getitem__(self, grid):
             return lambda *args, stream=None: calls.append(("triton", grid, stream, args))
 
+    # a stand-in's __getitem__ is not Triton's: take its layout as checked
+    monkeypatch.setattr("replay_backend.triton_compat.launch_layout_verified", lambda build_type: True)
     launch = direct_launcher(Build())
     launch((3, 2, 1), 77, "a", 5)
     assert calls == [("direct", (3, 2, 1, 77, "fn", "meta", None, None, None, "a", 5))]
@@ -203,39 +205,29 @@ def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registere
 
 
 @needs_triton
-def test_direct_launch_calls_the_c_entry_of_a_known_scratch_free_launcher(monkeypatch):
-    """Where this Triton's C entry layout is known and the build needs no scratch memory,
-    the direct launch calls the C entry with the flags in Triton 3.6's order; a build
-    that needs scratch, or another Triton version, keeps the launcher's Python call."""
-    from replay_backend import triton_compat as _triton
+def test_the_direct_launch_layout_is_checked_against_tritons_own_launch():
+    """The direct launch restates how Triton's compiled kernel calls its launcher: it is
+    used only where Triton's own ``CompiledKernel.__getitem__`` makes that call, and a
+    Triton that calls it otherwise keeps its own entry, a counted fallback."""
+    from triton.compiler.compiler import CompiledKernel
 
+    from replay_backend import counters
+    from replay_backend.triton_compat import direct_launcher, launch_layout_verified
+
+    assert launch_layout_verified(CompiledKernel)  # the installed Triton's real source
     calls = []
 
-    class Launcher:  # a compiled launcher: its Python call and its C entry
-        launch_cooperative_grid, launch_pdl = False, True
-        global_scratch_size = profile_scratch_size = 0
-
-        def __call__(self, *args):
-            calls.append(("python", args))
-
-        def launch(self, *args):
-            calls.append(("c", args))
-
-    class Build:
+    class Reordered:  # a later Triton whose launcher takes the metadata first
         function, packed_metadata = "fn", "meta"
 
-        def __init__(self, scratch: int = 0) -> None:
-            self.run = Launcher()
-            self.run.global_scratch_size = scratch
+        def run(self, *args):
+            calls.append(args)
 
         def __getitem__(self, grid):
-            return lambda *args, stream=None: calls.append(("triton", grid, stream, args))
+            def runner(*args, stream=None):
+                self.run(self.packed_metadata, grid[0], grid[1], grid[2], stream, self.function, *args)
+            return runner
 
-    monkeypatch.setattr(_triton.triton, "__version__", "3.6.0")
-    _triton.direct_launcher(Build())((3, 2, 1), 77, "a", 5)
-    assert calls.pop() == ("c", (3, 2, 1, 77, "fn", False, True, None, None, "meta", None, None, None, "a", 5))
-    _triton.direct_launcher(Build(scratch=64))((3, 2, 1), 77, "a", 5)
-    assert calls.pop() == ("python", (3, 2, 1, 77, "fn", "meta", None, None, None, "a", 5))
-    monkeypatch.setattr(_triton.triton, "__version__", "3.7.0")
-    _triton.direct_launcher(Build())((3, 2, 1), 77, "a", 5)
-    assert calls.pop() == ("python", (3, 2, 1, 77, "fn", "meta", None, None, None, "a", 5))
+    assert not launch_layout_verified(Reordered)
+    with counters.expect(strict=False, fallbacks={"triton_launch_layout": 1}):
+        assert direct_launcher(Reordered()) is None

@@ -12,10 +12,9 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else spec.format(value)
 
 
-# A point's first run costs 1.0-1.6x its median where nothing is built in it (runs 36
-# and 38: the allocator and caches warming); a Triton build inside a step costs about a
-# second (run 36: 1,052.9 ms against 33.3 ms). Both bounds, so that short points' noise
-# is not flagged.
+# A point's first run costs up to about 1.6x its median where nothing is built in it
+# (the allocator and caches warming); a Triton build inside a step costs about a
+# second. Both bounds, so that short points' noise is not flagged.
 FIRST_RUN_FACTOR = 3.0
 FIRST_RUN_MIN_EXTRA_MS = 100.0
 

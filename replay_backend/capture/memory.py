@@ -11,7 +11,7 @@ uses, and scales the owned outputs linearly in the token count.
 On top of that every captured graph costs device memory of its own (the instantiated
 graph and the pool's segment rounding). That part is not measurable without
 capturing, so it is a per-graph constant, ``PER_GRAPH_BYTES``, fitted on an H200
-(CUDA 13): docs/benchmarks.md lists the runs and how close the estimate came.
+(CUDA 13), which keeps the estimate an upper bound (docs/benchmarks.md).
 """
 from __future__ import annotations
 

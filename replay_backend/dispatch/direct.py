@@ -3,10 +3,9 @@
 After warm-up the model never traces again (a recompile is an error, SPEC §7), so on
 every served step Dynamo's entry does the same work to reach the same compiled model
 with the same arguments: it evaluates its guards (over every parameter of the model)
-and runs the prologue that loads each parameter as a graph argument. On the H200's
-host that is about 0.4 ms before a step's first kernel, in a step whose floor is
-16.8 ms at 1,024 tokens (docs/benchmarks.md). A :class:`DirectEntry` makes that call
-itself.
+and runs the prologue that loads each parameter as a graph argument: a large share of
+the host time before a graphed step's first kernel. A :class:`DirectEntry` makes that
+call itself.
 
 It is learned from calls made through Dynamo while the runner warms up
 (:class:`CallLog` sees what Dynamo passes and what the model returns): which graph

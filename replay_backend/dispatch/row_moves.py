@@ -202,8 +202,7 @@ class RowMoves:
     Each build is kept by its key and launched directly afterwards (``direct_launcher``):
     Triton's entry derives the build from all 20 arguments on every call, and its
     launch path looks up the device and stream and calls the launch hooks, which cost
-    about as much host time as the PyTorch ops the kernel replaces
-    (scripts/row_moves_probe.py, docs/benchmarks.md)."""
+    about as much host time as the PyTorch ops the kernel replaces."""
 
     def __init__(self, fallback: Callable[[str, str], None]) -> None:
         self._fallback = fallback

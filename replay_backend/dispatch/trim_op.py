@@ -139,8 +139,8 @@ class ReplayRuntime:
         """A served step that trims into a replay graph (the common case) on a path of
         its own; False, having done nothing, for any other step. The op runs right after
         the step's main layers with the host's caches cold, where every line of the
-        general path below costs microseconds: this path halves the op's Python
-        (docs/benchmarks.md). Its effect, counters and record are those of the general
+        general path below costs microseconds: this path halves the op's Python.
+        Its effect, counters and record are those of the general
         path's branch for the same step (tests/test_backend.py runs steps through both)."""
         batch = ctx.batch
         rep = batch.replay

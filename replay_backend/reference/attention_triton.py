@@ -32,10 +32,7 @@ NUM_FIELDS = 9
 # chunks of at least MIN_CHUNK keys (below that a chunk's fixed cost, its partial's
 # write and read, outweighs the parallelism it adds), and only from MIN_SPLIT_KEYS on.
 # Below it the walk is short and the split's merge launch and scratch buffer cost about
-# what it saves; on the H200 (scripts/attention_split_probe.py, wall time per call) a
-# 1,024-token step took 54.7 us whole and 57.7 us in 3 chunks over 1,024 keys, 42.7 and
-# 66.6 us in 2 over 512 ratio-2 entries, while 128 rows over 2,048 keys take 58.7 us
-# of GPU time whole and 18.6 us in 8 chunks.
+# what it saves (scripts/attention_split_probe.py measures both sides per shape).
 PROGRAMS_PER_SM = 4
 MIN_CHUNK = 256
 MIN_SPLIT_KEYS = 2048

@@ -59,8 +59,8 @@ def _sinkhorn_fused(logits: torch.Tensor, iters: int) -> torch.Tensor:
     reference. Row-local (each token's matrix alone), no host sync.
 
     Opaque to Inductor: as a ``triton_op`` (Inductor launches the kernel itself, no
-    dispatch into Python) it read its strided input correctly but saved no host time
-    (``scripts/sinkhorn_probe.py``). Defined by its schema (oplib.py): in pieces run
+    dispatch into Python) it read its strided input correctly but saved no host time.
+    Defined by its schema (oplib.py): in pieces run
     without graphs it is called twice per layer. ``tests/test_gpu.py`` checks this op
     under Inductor with the model's layout."""
     if logits.is_cuda and sinkhorn_triton.available() and sinkhorn_triton.supports(logits):

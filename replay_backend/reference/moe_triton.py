@@ -3,9 +3,8 @@
 The grouped GEMMs take the (token, expert) pairs sorted by expert. In PyTorch that is a
 stable sort, a division for each pair's source row and a search for the group ends;
 after the GEMMs come the unsort, a cast, the weighting, a sum and a cast back. Each is
-a launch on the host's critical path in steps whose main layers run without graphs
-(0.66 ms of host time per MoE call at 4,096 tokens, docs/benchmarks.md), and the
-sort, unsort and sum were GPU time as well. Here the sort is a counting sort in two
+a launch on the host's critical path in steps whose main layers run without graphs,
+and the sort, unsort and sum were GPU time as well. Here the sort is a counting sort in two
 launches, and the SwiGLU between the GEMMs and the combine are one each:
 
 * ``_count``: per block of pairs, how many go to each expert.
