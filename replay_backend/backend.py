@@ -138,9 +138,9 @@ class ReplayBackend:
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
         else:  # once per backend, not per graph
             log.info("dsv41_replay config: %s", self.config.as_dict())
-        model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group)
-        model.calls = self.calls
-        inspection.on_built(model, len(self.compiled))
+        model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group, self.calls,
+                      len(self.compiled))
+        inspection.on_built(model)
         self.compiled.append(model)
         self.phase = Phase.WARMING
         return model
@@ -204,7 +204,8 @@ def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, splitting: tuple[str, .
 
 
 def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
-          cache: PieceCache | None = None, dp_group=None) -> CompiledReplayModel:
+          cache: PieceCache | None = None, dp_group=None, calls: CallLog | None = None,
+          graph_index: int = 0) -> CompiledReplayModel:
     if cfg.decoder_replay and (marked := marked_window(gm)) is not None:
         # Before anything else: the first graph must refuse a threshold the window makes
         # useless, even where this graph could not trim (e.g. one traced with static shapes).
@@ -246,6 +247,9 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         main_sizes = []
     main_level = GraphLevel("main", main_sizes)
     split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None)
+    # Pieces whose outputs the trim op's region outlives: their graphs own their outputs.
+    keep = frozenset(live_across(split, next(p.name for p in main_infos if p.kind == "replay"))) \
+        if region is not None else frozenset()
     replay = None
     replay_infos = []
     replay_sizes = cfg.replay_capture_sizes(window) if region is not None and graphs else []
@@ -265,20 +269,14 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         compile_region = None
 
     if cfg.compiler == "eager":
-        wrap_uncompiled(split, main_infos, main_level, res)
+        wrap_uncompiled(split, main_infos, main_level, res, keep)
         if region is not None:
             wrap_uncompiled(rsplit, replay_infos, rlevel, res)
     else:
         ctx = fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
         with ctx:
-            PieceCompiler(split, main_infos, cfg, main_level, res, cache, compile_region).run(*fake_inputs)
+            PieceCompiler(split, main_infos, cfg, main_level, res, cache, compile_region, keep).run(*fake_inputs)
 
-    if region is not None:
-        trim_piece = next(p.name for p in main_infos if p.kind == "replay")
-        for name in live_across(split, trim_piece):
-            runner = getattr(split, name)
-            if isinstance(runner, PieceRunner):
-                runner.keep_outputs = True
     if region is not None and main_sizes and cfg.cudagraph_decoder_replay \
             and cfg.decoder_replay_trim_threshold > max(main_sizes):
         log.warning("dsv41_replay: decoder_replay_trim_threshold=%d exceeds the largest main capture "
@@ -293,6 +291,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
                      main_sizes, replay_sizes, main_infos, replay_infos, off_reason,
                      {**cfg.as_dict(), "splitting_ops": list(splitting)})
     log.info("dsv41_replay split plan:\n%s", plan.render())
-    model = CompiledReplayModel(split, cfg, plan, main_level, replay, token_inputs, sym_inputs, res)
-    model.sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
-    return model
+    sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
+    dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
+    return CompiledReplayModel(split, cfg, plan, main_level, replay, token_inputs, sym_inputs, res,
+                               calls=calls, sources=sources, dump_dir=dump_dir)

@@ -147,7 +147,8 @@ def _write_index(compiled, path: str, arts: list[Artifact]) -> None:
         lines.append("- graph_before_split.py — not kept: set `debug_dump_path` (or DSV41_REPLAY_DUMP) "
                      "before compiling to get it")
     if not os.path.exists(os.path.join(path, "capture.json")):
-        lines.append("- capture.json — appears after `StepRunner.capture()`")
+        lines.append("- capture.json — appears after `capture()`" if compiled.dump_dir == path
+                     else "- capture.json — not written here: dump again after `capture()`")
     _write(path, "index.md", "\n".join(lines) + "\n")
 
 
@@ -161,7 +162,6 @@ def dump_compiled(compiled, path: str) -> list[str]:
     for a in arts:
         _write(path, a.rel, a.text)
     _write_index(compiled, path, arts)
-    compiled.dump_dir = path
     return ["index.md"] + [a.rel for a in arts]
 
 

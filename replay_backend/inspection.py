@@ -58,7 +58,7 @@ def dump_dir_for(path: str, graph_index: int) -> str:
     return path if graph_index == 0 else os.path.join(path, f"graph_{graph_index}")
 
 
-def on_built(compiled, graph_index: int = 0) -> None:
+def on_built(compiled) -> None:
     """Emit every artifact of a freshly built model; write its dump when asked to."""
     arts = [a for a in dump.artifacts(compiled) if a.rel != "graph_before_split.py"]  # on_traced did it
     if torch_compat.trace_enabled():
@@ -69,8 +69,8 @@ def on_built(compiled, graph_index: int = 0) -> None:
     for a in arts:
         if a.gm is not None and logging_ok:
             logging_ok = _log_code(a.trace_name, a.gm)
-    if compiled.cfg.debug_dump_path:
-        path = dump_dir_for(compiled.cfg.debug_dump_path, graph_index)
+    if compiled.dump_dir:
+        path = compiled.dump_dir
         try:
             dump.dump_compiled(compiled, path)
         except OSError as e:  # a debugging aid must not fail the compile

@@ -194,7 +194,7 @@ def test_dump_after_the_fact_says_what_it_lacks(tmp_path):
     assert set(written) == _files(str(tmp_path))
     assert "graph_before_split.py" not in written and "replay_region.py" not in written
     index = (tmp_path / "index.md").read_text()
-    assert "graph_before_split.py — not kept" in index and "capture.json — appears after" in index
+    assert "graph_before_split.py — not kept" in index and "capture.json — not written here" in index
     assert "off: no replay boundary markers" in index
     torch._dynamo.reset()
 

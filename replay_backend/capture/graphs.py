@@ -176,13 +176,13 @@ class PieceRunner(nn.Module):
     """A compiled piece, run directly or through its graph for the level's current size."""
 
     def __init__(self, name: str, fn: Callable, level: GraphLevel, res: GraphResources,
-                 source: nn.Module | None = None) -> None:
+                 source: nn.Module | None = None, keep_outputs: bool = False) -> None:
         super().__init__()
         self.name, self.fn, self.level, self.res = name, fn, level, res
         self.__dict__["source"] = source  # the piece's FX graph, for dumps (not a child module)
         self.graphs: dict[int, StaticGraph] = {}
         self._warm = False
-        self.keep_outputs = False  # outputs alive across the trim op (set by the backend)
+        self.keep_outputs = keep_outputs  # outputs alive across the trim op (passes.split.live_across)
         self.kept_bytes = 0  # their size in the last step run without graphs
 
     def forward(self, *args):

@@ -18,18 +18,22 @@ from ..passes.region import TRIM
 from .piece_cache import PieceCache
 
 
-def _wrap(split: fx.GraphModule, name: str, fn, level: GraphLevel, res: GraphResources) -> None:
+def _wrap(split: fx.GraphModule, name: str, fn, level: GraphLevel, res: GraphResources,
+          keep: frozenset[str]) -> None:
     sub = getattr(split, name)
-    split._modules[name] = PieceRunner(name, fn if fn is not None else sub, level, res, source=sub)
+    split._modules[name] = PieceRunner(name, fn if fn is not None else sub, level, res, source=sub,
+                                       keep_outputs=name in keep)
 
 
-def wrap_uncompiled(split: fx.GraphModule, infos, level: GraphLevel, res: GraphResources) -> None:
+def wrap_uncompiled(split: fx.GraphModule, infos, level: GraphLevel, res: GraphResources,
+                    keep: frozenset[str] = frozenset()) -> None:
     """``compiler="eager"``: pieces run as they are, so no example inputs are needed and
-    the fake-tensor pass over the whole graph is skipped."""
+    the fake-tensor pass over the whole graph is skipped. ``keep``: the pieces whose
+    outputs stay alive across the trim op."""
     for info in infos:
         counters.pieces[info.kind] += 1
         if info.kind == "graph":
-            _wrap(split, info.name, None, level, res)
+            _wrap(split, info.name, None, level, res, keep)
 
 
 class PieceCompiler(torch.fx.Interpreter):
@@ -37,11 +41,11 @@ class PieceCompiler(torch.fx.Interpreter):
     sees (vLLM's piecewise-compile idea); splitting-op pieces stay eager."""
 
     def __init__(self, split: fx.GraphModule, infos, cfg: ReplayConfig, level: GraphLevel,
-                 res: GraphResources, cache: PieceCache, on_trim=None) -> None:
+                 res: GraphResources, cache: PieceCache, on_trim=None, keep: frozenset[str] = frozenset()) -> None:
         super().__init__(split)
         self.infos = {p.name: p for p in infos}
         self.cfg, self.level, self.res, self.on_trim = cfg, level, res, on_trim
-        self.cache = cache
+        self.cache, self.keep = cache, keep
 
     def call_module(self, target, args, kwargs):
         out = super().call_module(target, args, kwargs)
@@ -56,7 +60,7 @@ class PieceCompiler(torch.fx.Interpreter):
             sub, list(args), self.cfg.inductor_mode))
         counters.piece_cache_hits += int(hit)
         counters.compilations += int(not hit)
-        _wrap(self.module, target, fn, self.level, self.res)
+        _wrap(self.module, target, fn, self.level, self.res, self.keep)
         return out
 
 

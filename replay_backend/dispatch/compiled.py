@@ -25,7 +25,7 @@ log = logging.getLogger("replay_backend")
 class CompiledReplayModel:
     def __init__(self, split_gm: fx.GraphModule, cfg: ReplayConfig, plan, main_level: GraphLevel,
                  replay: ReplayRuntime | None, token_inputs: list[int], sym_inputs: list[int],
-                 res: GraphResources) -> None:
+                 res: GraphResources, calls=None, sources=None, dump_dir: str | None = None) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.main_level, self.replay, self.res = main_level, replay, res
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
@@ -34,12 +34,11 @@ class CompiledReplayModel:
         self.serving = False
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
-        # (inspection.GraphSources, set by build) and this model's dump directory.
+        # (inspection.GraphSources) and this model's dump directory (None: no dump).
         self.dispatch: dict[str, Counter] = {"main": Counter(), "replay": Counter()}
         self.capture_summary: dict = {}
-        self.sources = None
-        self.dump_dir: str | None = None
-        self.calls = None  # the backend's CallLog (direct.py): warm-up calls to learn from
+        self.sources, self.dump_dir = sources, dump_dir
+        self.calls = calls  # the backend's CallLog (direct.py): warm-up calls to learn from
 
     # ---- pieces ---------------------------------------------------------------------
     def runners(self, level: str) -> list[PieceRunner]:
