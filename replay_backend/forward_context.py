@@ -16,15 +16,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 @dataclass
-class StepInfo:
-    """How the compiled backend runs this step (SPEC §5)."""
-
-    kind: str  # "piecewise" | "eager"
-    num_tokens: int
-    padded_tokens: int
-
-
-@dataclass
 class ForwardContext:
     batch: "StepBatch"
     kv: Any  # the model's own caches, opaque to the backend; its attention ops read them
@@ -34,20 +25,31 @@ class ForwardContext:
     # Metadata the attention ops read now: the whole batch, or the replay batch while
     # the replay region runs on it.
     active: "AttnView" = None  # type: ignore[assignment]
-    step: StepInfo | None = None
     # False: the compiled backend runs this step with no graph (no padding, no capture,
     # the replay region directly): the first step, before capture, and memory probes.
     use_graphs: bool = True
-    # Filled by the compiled backend while its model runs: the replay-region runtime
-    # the trim op dispatches to, and what the last trim did (for verify / tests).
+    # Set by the compiled backend when its model starts the step: the step's one
+    # decision (dispatch.decide.StepPlan), which its pieces and the trim op execute, and
+    # the replay-region runtime the trim op dispatches to.
+    plan: Any = None
     replay_runtime: Any = None
-    last_trim: Any = None
 
     def __post_init__(self) -> None:
         if self.eager_replay not in ("off", "parent"):
             raise ValueError(f"eager_replay must be 'off' or 'parent', got {self.eager_replay!r}")
         if self.active is None:
             self.active = self.batch.view
+
+    @property
+    def step(self):
+        """The main layers' part of the plan (``StepInfo``), or None before the compiled
+        model ran."""
+        return self.plan.step if self.plan is not None else None
+
+    @property
+    def last_trim(self):
+        """The replay region's part of the plan (``TrimRecord``), or None."""
+        return self.plan.record if self.plan is not None else None
 
     def activate(self, view: "AttnView") -> "_Activated":
         """Point attention at ``view`` for the duration of a ``with`` (the replay region)."""

@@ -379,37 +379,16 @@ def test_stale_replay_rows_do_not_leak(shared):
     (lambda: [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], "piecewise", 27, 32, True),  # 61 -> 64
     (lambda: [R("p", 70, 70), R("d", 1, 30)], "eager", 17, 32, False),  # 71 tokens: main without graphs
 ])
-def test_served_trims_take_their_own_path_with_the_general_paths_effect(shared, monkeypatch, make, kind,
-                                                                       rows, rpad, io):
-    """Served steps that trim into a replay graph skip the op's general dispatch
-    (``ReplayRuntime._served_trim``), with the gathers and scatter as graphs or as one
-    launch each way. The same step through the general path gives the same logits bit
-    for bit, the same counters and record; a step whose rows fit no plan falls through."""
-    from replay_backend.dispatch.trim_op import ReplayRuntime
-
-    rep = shared.be.model.replay
-    assert set(rep._served) == set(rep.io.graphs) and rep._served_sizes == {48, 56, 64}
-    general = []
-    dispatch = ReplayRuntime._dispatch
-    monkeypatch.setattr(ReplayRuntime, "_dispatch", lambda self, *a: general.append(1) or dispatch(self, *a))
+def test_served_trims_execute_their_plan(shared, make, kind, rows, rpad, io):
+    """Served steps that trim into a replay graph, with the gathers and scatter as graphs
+    or as one row-moves launch each way, run the plan decided before the step: the
+    record, the counters and the outputs (against the oracle) say so."""
     reqs = make()
     prefill_both(shared, reqs)
-    pad, runs = rep._served_pad, []
-    for served in (pad, []):  # an empty lookup list switches the served path off
-        monkeypatch.setattr(rep, "_served_pad", served)
-        general.clear()
-        before = counters.state()
+    with counters.expect(trims=1, replay_dispatch={rpad: 1}):
         out = shared.rc.step(reqs)
-        runs.append((out, counters.moved_since(before), len(general)))
-    (a, moved_a, general_a), (b, moved_b, general_b) = runs
-    assert (general_a, general_b) == (0, 1)
-    assert (a.step.kind, a.trim.rows, a.trim.padded, a.trim.graph, a.trim.io_graphs) == (kind, rows, rpad, True, io)
-    assert torch.equal(a.logits, b.logits) and a.trim == b.trim
-    assert moved_a == moved_b == {"trims": 1, "replay_dispatch": {rpad: 1}}
-    check_outputs(shared, a, shared.ro.step(reqs))
-    monkeypatch.setattr(rep, "_served_pad", pad[:rows])  # no replay size for this step's rows
-    general.clear()
-    assert shared.rc.step(reqs).trim == a.trim and general == [1]
+    assert (out.step.kind, out.trim.rows, out.trim.padded, out.trim.graph, out.trim.io_graphs) == (kind, rows, rpad, True, io)
+    check_outputs(shared, out, shared.ro.step(reqs))
 
 
 def test_served_steps_give_the_gather_graphs_their_rows_in_place(shared):

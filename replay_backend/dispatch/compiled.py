@@ -14,8 +14,9 @@ import torch
 from torch import fx
 
 from .. import torch_compat
-from ..config import ReplayConfig, padded_size
-from ..forward_context import StepInfo, get_forward_context, has_forward_context
+from ..config import ReplayConfig
+from ..forward_context import get_forward_context, has_forward_context
+from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .trim_op import ReplayRuntime
 
@@ -29,6 +30,9 @@ class CompiledReplayModel:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.main_level, self.replay, self.res = main_level, replay, res
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
+        # What a model without a replay region decides steps by (with one, the region's
+        # runtime holds the full record).
+        self.sizes = Sizes(main=tuple(main_level.sizes))
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
         self.serving = False
@@ -65,28 +69,33 @@ class CompiledReplayModel:
     # ---- one step -------------------------------------------------------------------
     def __call__(self, *args):
         ctx = get_forward_context() if has_forward_context() else None
-        trim_before = ctx.last_trim if ctx is not None else None
-        out, size = self._step(ctx, args)
-        self.dispatch["main"][size if size is not None else "eager"] += 1
-        rec = ctx.last_trim if ctx is not None else None
-        if rec is not None and rec is not trim_before:  # the trim op ran in this step
-            self.dispatch["replay"][rec.padded if rec.padded is not None else "eager"] += 1
+        out, plan = self._step(ctx, args)
+        if plan is not None:
+            self.dispatch["main"][plan.padded_tokens if plan.kind is StepKind.PIECEWISE else "eager"] += 1
+            if plan.has_region:
+                self.dispatch["replay"][plan.replay_padded if plan.replay_padded is not None else "eager"] += 1
         if self.calls is not None and self.calls.active:
             self.calls.record(self, args, out)
         return out
 
+    def plan_step(self, ctx, num_tokens: int) -> StepPlan:
+        """The step's one decision (dispatch/decide.py), made before it runs."""
+        use_graphs = ctx is None or ctx.use_graphs
+        if self.replay is not None and ctx is not None:
+            return self.replay.plan(ctx.batch, num_tokens, use_graphs)
+        return plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs)
+
     def _step(self, ctx, args) -> tuple:
-        """Run one step; returns (outputs, the padded size it ran at or None for eager)."""
+        """Run one step; returns (outputs, its plan, or None for a graph without tokens)."""
         if not self.token_inputs:
             return self.split_gm(*args), None
         t = args[self.token_inputs[0]].shape[0]
-        graphs = bool(self.main_level.sizes) and (ctx is None or ctx.use_graphs)
-        tp = padded_size(self.main_level.sizes, t) if graphs else None
-        step = StepInfo("piecewise" if tp is not None else "eager", t, tp if tp is not None else t)
+        plan = self.plan_step(ctx, t)
         if ctx is not None:
-            ctx.step, ctx.replay_runtime = step, self.replay
-        if tp is None:
-            return self.split_gm(*args), None
+            ctx.plan, ctx.replay_runtime = plan, self.replay
+        if plan.kind is StepKind.EAGER:
+            return self.split_gm(*args), plan
+        tp = plan.padded_tokens
         new = list(args)
         for i in self.token_inputs:
             x = args[i]
@@ -114,7 +123,7 @@ class CompiledReplayModel:
         finally:
             self.main_level.size = None
         # The outputs live in graph memory that the next step overwrites.
-        return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), tp
+        return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), plan
 
     # ---- capture --------------------------------------------------------------------
     def estimate_graph_memory(self, run_step_without_graphs, replay_view_for):

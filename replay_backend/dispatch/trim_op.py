@@ -1,40 +1,29 @@
 """The trim-and-redispatch op and the replay-region runtime behind it (SPEC §4-§6).
 
-The op sits in the main graph where the replay region was. Per step it decides
-whether to trim (SPEC §5), gathers the replay rows into static buffers, pads them to a
-replay capture size, runs the region (its pieces in replay graphs, attention eager on
-the replay batch), and writes the results into ``outs``, which the preceding piece
-allocated so the next piece reads a stable address.
+The op sits in the main graph where the replay region was. It executes the step's
+plan (decide.py, made before the step ran): it gathers the replay rows into static
+buffers padded to the plan's replay size, runs the region (its pieces in replay
+graphs, attention eager on the replay batch), and writes the results into ``outs``,
+which the preceding piece allocated so the next piece reads a stable address.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .. import torch_compat
-from ..config import ReplayConfig, padded_size
+from ..config import ReplayConfig
 from ..counters import counters
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from ..capture.graphs import GraphLevel, GraphResources
+from .decide import Sizes, StepPlan, plan_step, wants_trim, main_size
 from .row_moves import RowMoves
 from .trim_io import TrimIO
-
-
-class TrimRecord(NamedTuple):
-    """What the trim op did in one step (``StepOutput.trim``, ``verify --json``). A named
-    tuple: the op makes one per step, and a frozen dataclass costs several times as much
-    host time to build."""
-
-    trimmed: bool
-    rows: int  # replay rows when trimmed, else the step's tokens (both before padding)
-    padded: int | None  # replay graph size, None when the region ran without graphs
-    graph: bool
-    io_graphs: bool = False  # the gathers and scatter ran as graphs too (trim_io.py)
 
 
 def _trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
@@ -81,12 +70,10 @@ class ReplayRuntime:
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
         self.metadata = None  # the serving runner's MetadataBuffer (use_metadata_buffer)
-        # What served trims look up (start_serving; empty before it and with data-parallel
-        # agreement): replay rows -> replay size, as a list (empty: the served path is
-        # off); the graphed trims by (main size, replay size), and those main sizes.
-        self._served_pad: list[int] = []
-        self._served: dict[tuple[int, int], tuple] = {}
-        self._served_sizes: frozenset[int] = frozenset()
+        threshold = cfg.decoder_replay_trim_threshold if cfg.cudagraph_decoder_replay else None
+        # What each step's decision reads (decide.py); io_pairs grow as capture makes them.
+        self.sizes = Sizes(tuple(sorted(main_sizes or [])), tuple(self.replay_sizes), frozenset(level.sizes),
+                           threshold, frozenset(), has_region=True)
         self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
@@ -125,135 +112,72 @@ class ReplayRuntime:
             self.level.size = None
             self._region_s += time.perf_counter() - t0
 
-    def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        t0 = time.perf_counter()
-        ctx = get_forward_context()
-        step = ctx.step
-        if self._served_pad and step is not None and ctx.use_graphs \
-                and (step.padded_tokens in self._served_sizes or step.kind == "eager") \
-                and self._served_trim(ctx, step, rows, consts, outs, t0):
-            return
-        self._dispatch(ctx, step, rows, consts, outs, t0)
-
-    def _served_trim(self, ctx, step, rows, consts, outs, t0: float) -> bool:
-        """A served step that trims into a replay graph (the common case) on a path of
-        its own; False, having done nothing, for any other step. The op runs right after
-        the step's main layers with the host's caches cold, where every line of the
-        general path below costs microseconds: this path halves the op's Python.
-        Its effect, counters and record are those of the general
-        path's branch for the same step (tests/test_backend.py runs steps through both)."""
-        batch = ctx.batch
+    def plan(self, batch, num_tokens: int, use_graphs: bool = True) -> StepPlan:
+        """The step's one decision (decide.py), agreed with the data-parallel ranks."""
         rep = batch.replay
-        n = len(rep.rows)
-        if n >= len(self._served_pad):
-            return False  # more replay rows than the largest replay graph
-        size = self._served_pad[n]
-        if step.kind == "piecewise":  # gathers and scatter as graphs (trim_io.py)
-            plan = self._served.get((step.padded_tokens, size))
-            if plan is None:
-                return False
-            gather, scatter, bufs, gtail, stail = plan
-            if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
-                self.io.stage(rep.count_rows)
-        elif n < batch.view.num_tokens:  # main layers without graphs: one launch each way
-            gather = None
-            bufs = self._views[size]
-        else:
-            return False  # an eager step trims only a prefill longer than W (SPEC §5)
-        self._region_s = 0.0
-        saved, ctx.active = ctx.active, rep.view  # ctx.activate(), without its three frames
-        try:
-            if gather is not None:
-                gather.replay((*rows, *bufs, *gtail))
-                scatter.replay((*self.run_region(bufs, consts, size), *outs, *stail))
-            else:
-                self.moves.gather(rows, bufs, rep.rows_t)
-                res = self.run_region(bufs, consts, size)
-        finally:
-            ctx.active = saved
-        if gather is None:
-            self.moves.scatter(res, outs, rep.rows_t)
-        counters.trims += 1
-        counters.replay_dispatch[size] += 1
-        # tuple.__new__: the named tuple's own __new__ is a Python frame, about 10 us here
-        ctx.last_trim = tuple.__new__(TrimRecord, (True, n, size, True, gather is not None))
-        self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
-        return True
-
-    def _dispatch(self, ctx, step, rows, consts, outs, t0: float) -> None:
-        """Every step: decide (SPEC §5), gather, run the region, scatter."""
-        self._region_s = 0.0
-        batch = ctx.batch
-        self.consts = consts
-        if self.level.sizes:
-            self._static_inputs(rows)
-        piecewise = step is not None and step.kind == "piecewise"
-        if piecewise:
-            trim = self.cfg.cudagraph_decoder_replay and step.padded_tokens >= self.cfg.decoder_replay_trim_threshold
-        else:
-            trim = batch.has_trimmable_rows
-        rep = batch.replay
-        rows_max = rep.num_rows if trim else 0
+        trimmable = rep.num_rows < batch.num_tokens
+        agreed = None
         if self.dp_group is not None and not self.capture_phase:
             # Every rank replays if any does (a rank with nothing to trim runs all its rows
             # as replay rows), and all pad to the size that fits the largest rank.
-            trim, rows_max = dp_agree(trim, rows_max, self.dp_group)
-        n = rep.num_rows if trim else rows[0].shape[0]
-        if self.capture_phase or not self.level.sizes or not ctx.use_graphs:
-            size = None
-        elif trim:
-            size = padded_size(self.replay_sizes, max(n, rows_max))
-        else:
-            size = n if piecewise and n in self.level.sizes else None
-        view = rep.view if trim else batch.view
-        io_pair = (step.padded_tokens, size) if piecewise and trim and size is not None else None
-        if self.capture_phase and piecewise and self.io is not None:
-            self.io.remember(step.padded_tokens, rows, outs)
-        with ctx.activate(view):
-            if io_pair is not None and self.io is not None and io_pair in self.io.graphs:
-                bufs = self._sliced(rows, size)
+            trim = wants_trim(self.sizes, main_size(self.sizes, num_tokens, use_graphs), trimmable)
+            agreed = dp_agree(trim, rep.num_rows if trim else 0, self.dp_group)
+        return plan_step(self.sizes, num_tokens, rep.num_rows, trimmable, use_graphs=use_graphs,
+                         region_graphs=not self.capture_phase, agreed=agreed)
+
+    def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Execute the step's plan: gather, run the region, scatter."""
+        t0 = time.perf_counter()
+        self._region_s = 0.0
+        ctx = get_forward_context()
+        plan = ctx.plan
+        batch = ctx.batch
+        rep = batch.replay
+        self.consts = consts
+        if self.buffers is None and self.sizes.region:
+            self._static_inputs(rows)
+        size = plan.replay_padded
+        if self.capture_phase and plan.kind == "piecewise" and self.io is not None:
+            self.io.remember(plan.padded_tokens, rows, outs)
+        bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
+        saved, ctx.active = ctx.active, rep.view if plan.trim else batch.view
+        try:
+            if plan.io_graphs:
                 if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
                     self.io.stage(rep.count_rows)
-                self.io.run(*io_pair, rows, bufs, lambda: self.run_region(bufs, consts, size), outs)
+                self.io.run(plan.padded_tokens, size, rows, bufs, lambda: self.run_region(bufs, consts, size), outs)
                 res = None
-            elif size is None:
-                inputs = [x.index_select(0, rep.rows_t) for x in rows] if trim else rows
+            elif bufs is None:
+                inputs = [x.index_select(0, rep.rows_t) for x in rows] if plan.trim else rows
                 res = self.run_region(inputs, consts, None)
             else:
-                bufs = self._sliced(rows, size)
-                if trim:
+                if plan.trim:
                     self.moves.gather(rows, bufs, rep.rows_t)
                 else:
                     for b, x in zip(bufs, rows):
                         b.copy_(x[:size])
                 res = self.run_region(bufs, consts, size)
-        if res is not None and trim:
+        finally:
+            ctx.active = saved
+        if res is not None and plan.trim:
             self.moves.scatter(res, outs, rep.rows_t)
         elif res is not None:
             for o, r in zip(outs, res):
                 o.copy_(r[:o.shape[0]])
-        counters.trims += int(trim)
-        counters.untrimmed += int(not trim)
-        counters.replay_dispatch[size if size is not None else "eager"] += 1
-        ctx.last_trim = TrimRecord(trim, n if trim else batch.num_tokens, size, size is not None,
-                                   io_graphs=res is None)
-        if trim:
+        if plan.trim:
+            counters.trims += 1
             self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)
+        else:
+            counters.untrimmed += 1
+        counters.replay_dispatch[size if size is not None else "eager"] += 1
 
     def start_serving(self) -> None:
-        """No capture from now on. Served steps that trim into replay graphs take
-        :meth:`_served_trim`, with what it looks up kept here (not with data-parallel
-        ranks, which agree first, nor before any step ran)."""
+        """No capture from now on; the region's buffers at every replay size are kept
+        (``_views``), so no served step slices them."""
         self.level.may_capture = False
-        if self.dp_group is not None or not self.replay_sizes or self.buffers is None:
-            return
-        self._served_pad = [padded_size(self.replay_sizes, n) for n in range(self.replay_sizes[-1] + 1)]
-        for size in self.replay_sizes:  # the region's buffers at every replay size, in _views
-            self._sliced(self.buffers, size)
-        if self.io is not None:
-            self._served = {pair: (gather, scatter, self._views[pair[1]], *self.io.tails(*pair))
-                            for pair, (gather, scatter) in self.io.graphs.items()}
-            self._served_sizes = frozenset(size for size, _ in self._served)
+        if self.buffers is not None:
+            for size in self.replay_sizes:
+                self._sliced(self.buffers, size)
 
     def capture(self, size: int, view) -> int:
         """Capture the region's graphs for ``size`` on a dummy replay batch, then the
@@ -265,7 +189,9 @@ class ReplayRuntime:
             self.moves.warm(self.buffers, list(res))
         if self.io is None or size not in self.replay_sizes:
             return 0
-        return self.io.capture(size, self._sliced(self.buffers, size), list(res), self.trim_main_sizes)
+        n = self.io.capture(size, self._sliced(self.buffers, size), list(res), self.trim_main_sizes)
+        self.sizes = dataclasses.replace(self.sizes, io_pairs=frozenset(self.io.graphs))
+        return n
 
     def run_direct(self, size: int, view) -> None:
         """Run the region without graphs on a dummy replay batch of ``size`` rows."""

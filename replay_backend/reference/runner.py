@@ -18,7 +18,8 @@ import torch
 
 from .. import torch_compat
 from ..batch import RequestChunk, StepBatch, build_step_batch, dummy_step_batch, validate_requests
-from ..forward_context import ForwardContext, StepInfo, set_forward_context
+from ..dispatch.decide import StepInfo, TrimRecord
+from ..forward_context import ForwardContext, set_forward_context
 from ..kv_cache import CacheLayout
 from .kv_caches import KVCaches
 from . import attention_ops
@@ -35,7 +36,7 @@ class StepOutput:
     logits: torch.Tensor  # [R, vocab] fp32, each request's last row
     batch: StepBatch
     step: StepInfo | None  # set when the compiled backend ran the step
-    trim: Any  # what the trim op did (a TrimRecord), None when it did not run
+    trim: TrimRecord | None  # what the trim op did, None without a replay region
 
 
 class PromptTokens:

@@ -1,0 +1,114 @@
+"""One decision per step (SPEC §5-§6): how a step runs, decided once, before it runs.
+
+The step kind and padded size, whether the replay region trims, the replay graph size,
+whether the trim op's gathers and scatter replay as graphs: all follow from the step's
+token count and replay rows and from the sizes captured. :func:`plan_step` computes them
+as one frozen :class:`StepPlan` on the host before the model runs; the compiled model,
+its pieces and the trim op only execute it, and what a step did is that record.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..config import padded_size
+
+
+class StepKind(str, enum.Enum):
+    PIECEWISE = "piecewise"  # main layers in graphs at a padded size
+    EAGER = "eager"  # main layers without graphs: above the largest size, or graphs off
+
+
+class StepInfo(NamedTuple):
+    """The main layers' part of a plan (``StepOutput.step``)."""
+
+    kind: str  # "piecewise" | "eager"
+    num_tokens: int
+    padded_tokens: int
+
+
+class TrimRecord(NamedTuple):
+    """The replay region's part of a plan (``StepOutput.trim``, ``verify --json``)."""
+
+    trimmed: bool
+    rows: int  # replay rows when trimmed, else the step's tokens (both before padding)
+    padded: int | None  # replay graph size, None when the region ran without graphs
+    graph: bool
+    io_graphs: bool = False  # the gathers and scatter ran as graphs too (trim_io.py)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a decision reads besides the step: the captured sizes, ascending."""
+
+    main: tuple[int, ...] = ()  # main graph sizes (empty: no main graphs)
+    replay: tuple[int, ...] = ()  # sizes a trimmed region pads to
+    region: frozenset[int] = frozenset()  # every size the region's pieces have graphs at
+    trim_threshold: int | None = None  # graphed steps padded to this or more trim; None: never
+    io_pairs: frozenset[tuple[int, int]] = frozenset()  # (main, replay) sizes with gather/scatter graphs
+    has_region: bool = False  # a replay region exists (the trim op is in the graph)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    kind: StepKind
+    num_tokens: int
+    padded_tokens: int  # the main layers' size: the graph size, or the token count
+    trim: bool  # the region runs on the replay rows (else on every row)
+    region_rows: int  # rows the region gets before padding: replay rows, or the padded tokens
+    replay_padded: int | None  # the region's graph size; None: it runs without graphs
+    io_graphs: bool  # the trim op's gathers and scatter replay as graphs
+    has_region: bool
+
+    @property
+    def step(self) -> StepInfo:
+        return StepInfo(self.kind.value, self.num_tokens, self.padded_tokens)
+
+    @property
+    def record(self) -> TrimRecord | None:
+        """What the trim op did, or None for a model without a replay region."""
+        if not self.has_region:
+            return None
+        rows = self.region_rows if self.trim else self.num_tokens
+        return TrimRecord(self.trim, rows, self.replay_padded, self.replay_padded is not None, self.io_graphs)
+
+
+def main_size(sizes: Sizes, num_tokens: int, use_graphs: bool = True) -> int | None:
+    """The main graph size a step of ``num_tokens`` pads to, or None: without graphs."""
+    return padded_size(sizes.main, num_tokens) if use_graphs and sizes.main else None
+
+
+def wants_trim(sizes: Sizes, padded: int | None, trimmable: bool) -> bool:
+    """SPEC §5: a graphed step trims from the threshold on (whether or not anything is
+    trimmable: then every row is a replay row); a step without main graphs trims when a
+    prefill is longer than the window."""
+    if padded is not None:
+        return sizes.trim_threshold is not None and padded >= sizes.trim_threshold
+    return trimmable
+
+
+def plan_step(sizes: Sizes, num_tokens: int, replay_rows: int, trimmable: bool, *, use_graphs: bool = True,
+              region_graphs: bool = True, agreed: tuple[bool, int] | None = None) -> StepPlan:
+    """How a step of ``num_tokens`` with ``replay_rows`` replay rows runs.
+
+    ``use_graphs`` false: no graph at all (warm-up and memory probes). ``region_graphs``
+    false: the region runs without graphs (while the main graphs are captured).
+    ``agreed``: (trim, most replay rows of any rank) after data-parallel ranks agreed
+    (SPEC §6: every rank replays if any does, all at the size of the largest)."""
+    padded = main_size(sizes, num_tokens, use_graphs)
+    trim = wants_trim(sizes, padded, trimmable) if sizes.has_region else False
+    rows_max = replay_rows if trim else 0
+    if agreed is not None:
+        trim, rows_max = agreed
+    kind = StepKind.PIECEWISE if padded is not None else StepKind.EAGER
+    padded = padded if padded is not None else num_tokens
+    rows = replay_rows if trim else padded
+    replay = None
+    if sizes.has_region and use_graphs and region_graphs and sizes.region:
+        if trim:
+            replay = padded_size(sizes.replay, max(rows, rows_max))
+        elif kind is StepKind.PIECEWISE and padded in sizes.region:
+            replay = padded
+    io = kind is StepKind.PIECEWISE and trim and replay is not None and (padded, replay) in sizes.io_pairs
+    return StepPlan(kind, num_tokens, padded, trim, rows, replay, io, sizes.has_region)
