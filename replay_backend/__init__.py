@@ -1,7 +1,8 @@
 """dsv41-replay: a torch.compile backend for DeepSeek-V4.1-style models."""
 import importlib
 
-from .backend import Phase, ReplayBackend, backend_of
+from .backend import ReplayBackend, backend_of
+from .lifecycle import Phase
 from .batch import (AttnView, ReplayRows, RequestChunk, StepBatch, ViewField, build_step_batch, dummy_step_batch,
                     replay_rows_for)
 from .config import ReplayConfig

@@ -7,7 +7,6 @@ inspection) and to make recompiles after warm-up an error.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import sys
 from typing import Any, Callable
@@ -24,27 +23,16 @@ from . import inspection, torch_compat
 from .config import ReplayConfig
 from .counters import counters
 from .forward_context import has_forward_context
+from .lifecycle import Lifecycle, Phase
 from .compiling.piece_cache import PieceCache
 from .compiling.pieces import PieceCompiler, wrap_uncompiled
 from .plan import SplitPlan
 from .dispatch.compiled import CompiledReplayModel
 from .dispatch.direct import CallLog
-from .capture.graphs import GraphLevel, GraphResources, PieceRunner, StrictFallbackError
+from .capture.graphs import GraphLevel, GraphResources, StrictFallbackError
 from .dispatch.trim_op import ReplayRuntime
 
 log = logging.getLogger("replay_backend")
-
-class Phase(enum.Enum):
-    """Where one backend state (one ``torch.compile`` call) is in its life. Each public
-    step moves it forward only: a graph may arrive while tracing or warming up (a second
-    one is a counted recompile), graphs are captured after warm-up, and once serving a
-    new graph is an error."""
-
-    TRACING = "tracing"  # no graph compiled yet
-    WARMING = "warming"  # compiled; warm-up steps may run, recompiles are counted
-    CAPTURING = "capturing"
-    SERVING = "serving"  # no new graph and no capture from now on
-
 
 class ReplayBackend:
     """One backend state: the graphs one ``torch.compile`` call compiled, their shared
@@ -64,7 +52,7 @@ class ReplayBackend:
         # A torch.distributed group of data-parallel ranks: they agree on replaying.
         self.dp_group = dp_group
         self.compiled: list[CompiledReplayModel] = []
-        self.phase = Phase.TRACING
+        self.lifecycle = Lifecycle()  # shared by every graph compiled for this state
         # Calls of the compiled model while a runner watches (its warm-up steps): the
         # runner learns from them how to call the model without Dynamo (runtime/direct.py).
         self.calls = CallLog()
@@ -74,6 +62,10 @@ class ReplayBackend:
         if not self.compiled:
             raise RuntimeError("nothing compiled yet: run one step through the compiled model first")
         return self.compiled[-1]
+
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
 
     @property
     def frozen(self) -> bool:
@@ -87,12 +79,13 @@ class ReplayBackend:
         through the compiled model (under the caller's forward context);
         ``replay_view_for(n)`` gives the attention view of ``n`` dummy replay rows.
         Returns the per-runner capture summary; :meth:`start_serving` comes next."""
-        self._expect("capture", Phase.WARMING)
+        life = self.lifecycle
+        life.expect("capture", Phase.WARMING)
         if not has_forward_context():
             raise RuntimeError("dsv41_replay: capture() needs a forward context around it: the replay graphs "
                                "are captured outside any model step, so wrap the call in "
                                "set_forward_context(ForwardContext(dummy_step_batch(...), kv=your_cache))")
-        self.phase = Phase.CAPTURING
+        life.advance(Phase.CAPTURING_MAIN)
         try:
             # Graphs serve inference; the replay graphs run the region outside any model
             # step, where the caller's grad mode does not reach. no_grad, not
@@ -101,33 +94,26 @@ class ReplayBackend:
             with torch.no_grad():
                 return self.model.capture(run_step, replay_view_for, metadata)
         except BaseException:
-            self.phase = Phase.WARMING
+            life.advance(Phase.WARMING)
             raise
 
     def start_serving(self) -> None:
         """Warm-up (and capture) is over: no capture from now on, an uncaptured size is a
         counted fallback, and a recompile is an error."""
-        if self.phase is Phase.SERVING:
+        life = self.lifecycle
+        if life.serving:
             return
-        self._expect("start_serving", Phase.WARMING, Phase.CAPTURING)
+        life.expect("start_serving", Phase.WARMING, Phase.CAPTURING_MAIN, Phase.CAPTURING_REPLAY)
         self.model.start_serving()
-        self.phase = Phase.SERVING
+        life.advance(Phase.SERVING)
 
     def freeze(self) -> None:
         """The former name of :meth:`start_serving`."""
         self.start_serving()
 
-    def _expect(self, what: str, *phases: Phase) -> None:
-        if self.phase not in phases:
-            hint = {Phase.TRACING: "run one step through the compiled model first",
-                    Phase.SERVING: "serving has started"}.get(self.phase, "")
-            raise RuntimeError(f"dsv41_replay: {what}() while {self.phase.value}"
-                               + (f": {hint}" if hint else "")
-                               + f" (allowed while {' or '.join(p.value for p in phases)})")
-
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> CompiledReplayModel:
         counters.graphs_seen += 1
-        if self.phase in (Phase.SERVING, Phase.CAPTURING):
+        if self.phase not in (Phase.TRACING, Phase.WARMING):
             counters.recompiles += 1
             raise RuntimeError(
                 f"dsv41_replay: recompile after warm-up (while {self.phase.value}). The model must trace once, "
@@ -139,10 +125,10 @@ class ReplayBackend:
         else:  # once per backend, not per graph
             log.info("dsv41_replay config: %s", self.config.as_dict())
         model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group, self.calls,
-                      len(self.compiled))
+                      len(self.compiled), self.lifecycle)
         inspection.on_built(model)
         self.compiled.append(model)
-        self.phase = Phase.WARMING
+        self.lifecycle.advance(Phase.WARMING)
         return model
 
 
@@ -205,7 +191,7 @@ def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, splitting: tuple[str, .
 
 def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
           cache: PieceCache | None = None, dp_group=None, calls: CallLog | None = None,
-          graph_index: int = 0) -> CompiledReplayModel:
+          graph_index: int = 0, lifecycle: Lifecycle | None = None) -> CompiledReplayModel:
     if cfg.decoder_replay and (marked := marked_window(gm)) is not None:
         # Before anything else: the first graph must refuse a threshold the window makes
         # useless, even where this graph could not trim (e.g. one traced with static shapes).
@@ -217,7 +203,8 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     token_inputs, sym_inputs = _token_inputs(gm, fake_inputs)
     graphs = cfg.graphs_enabled and bool(token_inputs)
     use_cuda = graphs and any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
-    res = GraphResources(use_cuda=use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses)
+    res = GraphResources(use_cuda=use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses,
+                         lifecycle=lifecycle if lifecycle is not None else Lifecycle())
     main_sizes = cfg.capture_sizes() if graphs else []
 
     # Attention breaks and KV sources as the model declared them (passes/roles.py),

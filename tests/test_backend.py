@@ -847,14 +847,19 @@ def test_piece_runner_first_serving_replay_detects_a_moved_input():
 def test_piece_runner_uncaptured_size_after_serving_is_a_counted_fallback():
     from replay_backend.capture.graphs import StrictFallbackError
 
+    from replay_backend.lifecycle import Lifecycle, Phase
+
     x, w = torch.randn(4, 3), torch.randn(3, 2)
-    level = GraphLevel("main", [4, 8], size=4, may_capture=False)
-    runner = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False))
+    level = GraphLevel("main", [4, 8], size=4)
+    serving = Lifecycle()
+    for phase in (Phase.WARMING, Phase.SERVING):
+        serving.advance(phase)
+    runner = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False, lifecycle=serving))
     with counters.expect(fallbacks={"uncaptured_size": 1}):
         out = runner(x, w)[0]
     torch.testing.assert_close(out, x @ w + 1)
     assert runner.graphs == {}
-    strict = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False, strict=True))
+    strict = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False, strict=True, lifecycle=serving))
     with pytest.raises(StrictFallbackError, match="uncaptured_size"):
         strict(x, w)
 

@@ -103,3 +103,17 @@ def test_the_replay_rows_of_spec_4s_example():
     assert keep.rows == tuple(range(250)) and keep.kv_start == (0,)
     later = replay_rows_for([RequestChunk("b", 250, 900, kv_start=800)], 128)
     assert later.kv_start == (800,) and later.positions == tuple(range(772, 900))
+
+
+def test_the_lifecycle_refuses_every_transition_out_of_order():
+    from replay_backend.lifecycle import Lifecycle
+
+    life = Lifecycle()
+    with pytest.raises(RuntimeError, match="cannot go from tracing to serving"):
+        life.advance(Phase.SERVING)
+    for phase in (Phase.WARMING, Phase.CAPTURING_MAIN, Phase.CAPTURING_REPLAY, Phase.SERVING):
+        life.advance(phase)
+    for phase in Phase:
+        with pytest.raises(RuntimeError, match="cannot go from serving"):
+            life.advance(phase)
+    assert life.serving and not life.may_capture

@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import torch_compat
 from ..counters import counters
+from ..lifecycle import Lifecycle
 
 log = logging.getLogger("replay_backend")
 
@@ -49,7 +50,9 @@ class GraphResources:
     strict: bool = False
     check_every_replay: bool = False
     weak_outputs: bool = False  # graphs hold non-owning output aliases (set by capture())
-    measuring: bool = False  # the memory estimate is running: pieces record kept_bytes
+    # The backend state's phase (lifecycle.py): lazy capture before serving only, kept
+    # outputs' bytes recorded while the memory estimate measures.
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
     pool: Any = None
     stream: Any = None
     _logged: set = field(default_factory=set)
@@ -74,7 +77,6 @@ class GraphLevel:
     name: str  # "main" | "replay"
     sizes: list[int]  # kept ascending (config.padded_size bisects them)
     size: int | None = None  # padded size of the running step; None = run pieces directly
-    may_capture: bool = True  # False once serving started: no capture afterwards
 
     def __post_init__(self) -> None:
         self.sizes = sorted(set(self.sizes))
@@ -189,12 +191,12 @@ class PieceRunner(nn.Module):
         size = self.level.size
         if size is None:
             out = self.fn(*args)
-            if self.keep_outputs and self.res.measuring:  # for the graph memory estimate
+            if self.keep_outputs and self.res.lifecycle.measuring:  # for the graph memory estimate
                 self.kept_bytes = sum(t.untyped_storage().nbytes() for t in _tensors(out))
             return out
         graph = self.graphs.get(size)
         if graph is None:
-            if not self.level.may_capture:
+            if not self.res.lifecycle.may_capture:
                 self.res.fallback("uncaptured_size", f"{self.level.name} graph for size {size} was not "
                                   "captured before serving; running the piece without a graph")
                 return self.fn(*args)

@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..lifecycle import Phase
+
 GIB = 2 ** 30
 PER_GRAPH_BYTES = 3 * 2 ** 18  # 0.75 MiB
 
@@ -70,12 +72,13 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     kept_runners = [r for r in model.runners("main") if r.keep_outputs]
     main_peak = kept_at_max = replay_peak = 0
     if main_sizes:
-        model.res.measuring = True
+        life = model.res.lifecycle
+        life.advance(Phase.MEASURING)
         try:
             with _peak() as p:
                 run_step_without_graphs(main_sizes[-1])
         finally:
-            model.res.measuring = False
+            life.advance(Phase.WARMING)
         main_peak = p[0]
         kept_at_max = sum(r.kept_bytes for r in kept_runners)
     rep = model.replay

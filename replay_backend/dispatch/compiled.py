@@ -16,6 +16,7 @@ from torch import fx
 from .. import torch_compat
 from ..config import ReplayConfig
 from ..forward_context import get_forward_context, has_forward_context
+from ..lifecycle import Phase
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .trim_op import ReplayRuntime
@@ -35,7 +36,6 @@ class CompiledReplayModel:
         self.sizes = Sizes(main=tuple(main_level.sizes))
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
-        self.serving = False
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).
@@ -43,6 +43,10 @@ class CompiledReplayModel:
         self.capture_summary: dict = {}
         self.sources, self.dump_dir = sources, dump_dir
         self.calls = calls  # the backend's CallLog (direct.py): warm-up calls to learn from
+
+    @property
+    def serving(self) -> bool:
+        return self.res.lifecycle.serving
 
     # ---- pieces ---------------------------------------------------------------------
     def runners(self, level: str) -> list[PieceRunner]:
@@ -136,7 +140,8 @@ class CompiledReplayModel:
         return estimate_graph_memory(self, run_step_without_graphs, replay_view_for)
 
     def capture(self, run_main_step, replay_view_for, metadata=None) -> dict:
-        """Capture every main size, then every replay size, largest first (SPEC §7).
+        """Capture every main size, then every replay size, largest first (SPEC §7), while
+        the backend's phase is capturing (``ReplayBackend.capture`` moves it).
 
         ``run_main_step(n)`` runs one dummy step of ``n`` tokens through the compiled
         model (the runner knows how to build one); ``replay_view_for(n)`` builds a dummy
@@ -144,8 +149,8 @@ class CompiledReplayModel:
         batches will be built in, whose head the trim op's gather graphs read in place.
         Returns a per-runner summary.
         """
-        if self.serving:
-            raise RuntimeError("graphs cannot be captured once serving started")
+        life = self.res.lifecycle
+        life.expect("capture", Phase.CAPTURING_MAIN)
         if metadata is not None and self.replay is not None:
             self.replay.use_metadata_buffer(metadata)
         summary = {}
@@ -158,20 +163,16 @@ class CompiledReplayModel:
             stages.append(("replay", self.replay.level.sizes, self.replay.capture))
         try:
             for name, sizes, fn in stages:
+                if name == "replay":
+                    life.advance(Phase.CAPTURING_REPLAY)
                 free0 = _gpu_free()
                 t0 = time.perf_counter()
-                if self.replay is not None:
-                    self.replay.capture_phase = name == "main"
                 io_graphs = 0
-                try:
-                    for n in _progress(sorted(sizes, reverse=True), name):
-                        if name == "main":
-                            fn(n)
-                        else:
-                            io_graphs += fn(n, replay_view_for(n))
-                finally:
-                    if self.replay is not None:
-                        self.replay.capture_phase = False
+                for n in _progress(sorted(sizes, reverse=True), name):
+                    if name == "main":
+                        fn(n)
+                    else:
+                        io_graphs += fn(n, replay_view_for(n))
                 secs = time.perf_counter() - t0
                 gib = max(0.0, (free0 - _gpu_free()) / 2 ** 30)
                 graphs = sum(len(r.graphs) for r in self.runners(name))
@@ -191,9 +192,7 @@ class CompiledReplayModel:
         return summary
 
     def start_serving(self) -> None:
-        """No capture from now on: an uncaptured size is a counted fallback."""
-        self.serving = True
-        self.main_level.may_capture = False
+        """Serving starts (the backend's phase says so): keep what served steps look up."""
         if self.replay is not None:
             self.replay.start_serving()
 

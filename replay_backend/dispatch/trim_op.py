@@ -74,7 +74,6 @@ class ReplayRuntime:
         # What each step's decision reads (decide.py); io_pairs grow as capture makes them.
         self.sizes = Sizes(tuple(sorted(main_sizes or [])), tuple(self.replay_sizes), frozenset(level.sizes),
                            threshold, frozenset(), has_region=True)
-        self.capture_phase = False  # main graphs are being captured: run the region directly
         # Host time of the op itself (decision, gather, pad, scatter), without the region.
         self.host_us: deque[float] = deque(maxlen=4096)
         self._region_s = 0.0
@@ -117,13 +116,14 @@ class ReplayRuntime:
         rep = batch.replay
         trimmable = rep.num_rows < batch.num_tokens
         agreed = None
-        if self.dp_group is not None and not self.capture_phase:
+        capturing_main = self.res.lifecycle.capturing_main  # the region runs without graphs meanwhile
+        if self.dp_group is not None and not capturing_main:
             # Every rank replays if any does (a rank with nothing to trim runs all its rows
             # as replay rows), and all pad to the size that fits the largest rank.
             trim = wants_trim(self.sizes, main_size(self.sizes, num_tokens, use_graphs), trimmable)
             agreed = dp_agree(trim, rep.num_rows if trim else 0, self.dp_group)
         return plan_step(self.sizes, num_tokens, rep.num_rows, trimmable, use_graphs=use_graphs,
-                         region_graphs=not self.capture_phase, agreed=agreed)
+                         region_graphs=not capturing_main, agreed=agreed)
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Execute the step's plan: gather, run the region, scatter."""
@@ -137,7 +137,7 @@ class ReplayRuntime:
         if self.buffers is None and self.sizes.region:
             self._static_inputs(rows)
         size = plan.replay_padded
-        if self.capture_phase and plan.kind == "piecewise" and self.io is not None:
+        if self.io is not None and plan.kind == "piecewise" and self.res.lifecycle.capturing_main:
             self.io.remember(plan.padded_tokens, rows, outs)
         bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
         saved, ctx.active = ctx.active, rep.view if plan.trim else batch.view
@@ -174,7 +174,6 @@ class ReplayRuntime:
     def start_serving(self) -> None:
         """No capture from now on; the region's buffers at every replay size are kept
         (``_views``), so no served step slices them."""
-        self.level.may_capture = False
         if self.buffers is not None:
             for size in self.replay_sizes:
                 self._sliced(self.buffers, size)

@@ -118,7 +118,6 @@ class StepRunner:
             capacity = max(metadata_capacity(max_num_batched_tokens, max_num_seqs),
                            backend.config.max_num_batched_tokens + 1)
             self.metadata = MetadataBuffer(capacity, self.device)
-        self._serving = False
 
     # ---- cache blocks --------------------------------------------------------------
     def block_of(self, req_id) -> int:
@@ -165,7 +164,7 @@ class StepRunner:
         tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
                                 self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None,
-                                metadata=self.metadata if self._serving else None,
+                                metadata=self.metadata if self._serving() else None,
                                 view_fields=attention_ops.VIEW_FIELDS)
 
     @torch.inference_mode()
@@ -240,6 +239,9 @@ class StepRunner:
             self._learned = direct.learn(*call, (ids, pos), hidden, ("input_ids", "positions"), self._fixed)
         return hidden
 
+    def _serving(self) -> bool:
+        return self.backend is not None and self.backend.lifecycle.serving
+
     def start_serving(self) -> None:
         """Warm-up is over: a recompile is an error from now on, and served steps call
         the compiled model directly (``direct_dispatch``, runtime/direct.py) as the
@@ -251,7 +253,6 @@ class StepRunner:
         be = self.backend
         compiled = be.model
         be.start_serving()
-        self._serving = True
         self._direct = None
         if not be.config.direct_dispatch:
             return

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .. import torch_compat
-from ..backend import Phase, ReplayBackend
+from ..backend import ReplayBackend
+from ..lifecycle import Phase
 from ..config import ReplayConfig
 
 
