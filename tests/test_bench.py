@@ -94,6 +94,7 @@ def test_render_has_the_table_shape_and_ratios(tmp_path):
     report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
               "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384, "trace_s": 30.0,
               "floor_ms": {"default": {"1024/1": 20.0}}, "trim_host_us_median": 80.0,
+              "peak_tflops": 0.5, "point_gflop": {"1024/1": 2.5},
               "results": [
                   {"mode": "off", "setting": "default", "compile_s": 1.0, "capture": {}, "ms": {"1024/1": 100.0},
                    "error": None},
@@ -105,6 +106,9 @@ def test_render_has_the_table_shape_and_ratios(tmp_path):
     text = bench.render(report)
     assert "| ISL/conc | off ms | replay ms | floor ms | replay speed-up vs off | replay / floor |" in text
     assert "| 1024/1 | 100.0 | 25.0 | 20.0 | 4.00x | 1.25 |" in text
+    # 2.5 GFLOP in 100 / 25 / 20 ms against 0.5 TFLOP/s
+    assert "model FLOPs utilisation at default (% of the measured 0.5 TFLOP/s):" in text
+    assert "| ISL/conc | GFLOP | off | replay | floor |" in text and "| 1024/1 | 2.5 | 5.0 | 20.0 | 25.0 |" in text
     assert "main: 3 graphs over 1 sizes, 0.5 s, 0.25 GiB (after the attention's split warm-up step, 1.5 s)" in text
     assert "trim op host time per trimming step of the timed runs (the op without the region it runs): " \
            "median 80 us (wall time: it holds any wait for the device inside the op's CUDA calls)" in text
@@ -206,8 +210,10 @@ def test_run_bench_end_to_end_times_every_mode_in_turns(monkeypatch):
         block = timed[p * per_point:(p + 1) * per_point]
         assert [tag for _, tag in block] == ["m0"] * len(runs) + ["m1"] * len(runs)
         assert len({rid for rid, _ in block[:len(runs)]}) == len(runs)
+    assert report["peak_tflops"] > 0 and set(report["point_gflop"]) == {"40/1", "40/2", "100/1", "100/2"}
+    assert report["point_gflop"]["100/2"] > report["point_gflop"]["100/1"] > report["point_gflop"]["40/1"] > 0
     text = bench.render(report)
-    assert "| 100/2 |" in text
+    assert "| 100/2 |" in text and "model FLOPs utilisation at wide" in text
     assert "host speed (small CPU op / tiny CUDA launch, us per call): start " in text
 
 

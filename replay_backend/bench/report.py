@@ -31,6 +31,24 @@ def slow_first_runs(report: dict) -> list[tuple[str, str, float, float]]:
     return out
 
 
+def _mfu_table(report: dict, setting: str, by: dict, modes: list[str], rows) -> list[str]:
+    """Each mode's and the floor's model-FLOPs utilisation at this setting: the point's
+    model FLOPs (bench/flops.py) over its time, over the measured dense matmul rate."""
+    peak, gflop = report.get("peak_tflops"), report.get("point_gflop") or {}
+    if not peak or not gflop:
+        return []
+    lines = [f"\nmodel FLOPs utilisation at {setting} (% of the measured {peak:.3g} TFLOP/s):\n",
+             "| ISL/conc | GFLOP | " + " | ".join(modes) + " | floor |", "|" + "---|" * (len(modes) + 3)]
+    for key in sorted(rows, key=lambda k: tuple(int(x) for x in k.split("/"))):
+        def mfu(ms):
+            return _fmt(gflop[key] / (ms / 1e3) / (peak * 1e3) * 100 if ms and key in gflop else None, "{:.1f}")
+
+        cells = [mfu((by.get((setting, m)) or by.get(("default", m)) or {"ms": {}})["ms"].get(key)) for m in modes]
+        cells.append(mfu(report["floor_ms"].get(setting, {}).get(key)))
+        lines.append(f"| {key} | {_fmt(gflop.get(key), '{:.1f}')} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(report: dict) -> str:
     opts = " ".join(report.get("model_options") or [])
     lines = [f"# {report['preset']}{' (' + opts + ')' if opts else ''} {report['dtype']} on {report['device']} (torch {report['torch']}), "
@@ -69,6 +87,7 @@ def render(report: dict) -> str:
                 cells += [_fmt(ms(m) / rep if ms(m) and rep else None, "{:.2f}x") for m in others]
                 cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        lines += _mfu_table(report, setting, by, modes, rows)
     probes = report.get("host_probe") or {}
     if probes:
         lines.append("\nhost speed (small CPU op / tiny CUDA launch, us per call): " + ", ".join(

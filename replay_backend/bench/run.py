@@ -23,6 +23,7 @@ from .. import torch_compat
 from ..backend import ReplayBackend
 from ..reference.accuracy import CHECK, yardstick
 from .report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
+from .flops import measured_peak, point_flops
 from .timing import ModeRun, TimedMode, host_probe, sync, time_points
 from ..reference.cli_options import parse_options
 from ..reference.compare import max_abs_err
@@ -206,6 +207,10 @@ def run_bench(args, checkpoint=None) -> dict:
     print(f"check prompt: {check_len} tokens, plain model and fp32 copies in {time.perf_counter() - t0:.1f} s; "
           f"rel L2 to the fp32 copy: plain {gate.plain_err:.3g}, rounding noise {gate.noise_err:.3g}, "
           f"a mode drifts above {gate.limit:.3g}", flush=True)
+    # Model FLOPs per point and the machine's measured dense rate: each mode's MFU
+    peak = measured_peak(device, dtype)
+    gflop = {f"{i}/{c}": point_flops(model.cfg, i, c, args.max_num_batched_tokens) / 1e9 for i, c in shapes}
+    print(f"measured dense {str(dtype).replace('torch.', '')} matmul rate: {peak / 1e12:.1f} TFLOP/s", flush=True)
     cache = PieceCache()  # identical pieces compile once
     shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache)
                           for m, s in plan if m in MODE_OPTIONS})
@@ -222,6 +227,7 @@ def run_bench(args, checkpoint=None) -> dict:
                 "model_options": list(args.model_option or []),
                 "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
+                "peak_tflops": peak / 1e12, "point_gflop": gflop,
                 "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": gate.plain_err,
                 "noise_err_vs_fp32": gate.noise_err, "drift_limit": gate.limit,
                 "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
