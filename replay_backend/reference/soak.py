@@ -221,6 +221,7 @@ class Soak:
         self.report = SoakReport(seed, 0, str(dtype).replace("torch.", ""),
                                  "max |d|" if self.exact else "worst row's relative L2")
         self._steps: list[tuple[int, str, str, dict]] = []  # 16-bit: judged once the envelope is known
+        self.seconds: dict[str, float] = {}  # per part of a step: the compiled runner, the oracle, the checks
 
     def _err(self, got: torch.Tensor, want: torch.Tensor) -> float:
         if got.numel() == 0:
@@ -267,22 +268,40 @@ class Soak:
                 for m in rep.mismatches[seen:]:
                     log(f"MISMATCH step {m.step} [{m.kind}] {m.spec}: {m.what} {m.err:.3g}")
                 if (i + 1) % every == 0:
-                    noise = f" (noise envelope {max(rep.noise.values()):.3g})" if rep.noise else ""
-                    log(f"step {i + 1}: {time.perf_counter() - t0:.0f} s, {len(rep.mismatches)} mismatches, "
-                        f"largest error {max(rep.worst.values()):.3g}{noise}")
+                    log(self._progress(i + 1, time.perf_counter() - t0))
         if not self.exact:
-            rep.limits = {part: BAND_FACTOR * max(env, REL_FLOOR) for part, env in rep.noise.items()}
-            for i, spec, kind, errs in self._steps:
-                rep.mismatches += [Mismatch(i, spec, kind, part, err) for part, err in errs.items()
-                                   if not err <= rep.limits[part]]
+            rep.limits, judged = self._judged()
+            rep.mismatches += judged
         rep.counters_moved = {k: v for k, v in counters.moved_since(before).items()
                               if k in ("fallbacks", "recompiles", "captures", "graphs_seen", "compilations")}
         return rep
 
+    def _judged(self) -> tuple[dict, list[Mismatch]]:
+        """16-bit: the limits from the envelope the run has shown so far, and the steps
+        beyond them."""
+        limits = {part: BAND_FACTOR * max(env, REL_FLOOR) for part, env in self.report.noise.items()}
+        return limits, [Mismatch(i, spec, kind, part, err) for i, spec, kind, errs in self._steps
+                        for part, err in errs.items() if not err <= limits[part]]
+
+    def _progress(self, done: int, seconds: float) -> str:
+        rep, spent = self.report, self.seconds
+        if self.exact:
+            verdict = f"{len(rep.mismatches)} mismatches"
+        else:  # judged against the envelope so far: the run's last line is the verdict
+            verdict = (f"{len(self._judged()[1])} steps beyond the noise envelope so far "
+                       f"({max(rep.noise.values()):.3g})")
+        where = ", ".join(f"{k} {v / done * 1e3:.0f} ms" for k, v in spent.items())
+        return (f"step {done}: {seconds:.0f} s, {verdict}, largest error {max(rep.worst.values()):.3g}; "
+                f"per step: {where}")
+
     def one(self, i: int) -> None:
+        clock = time.perf_counter
+        t0 = clock()
         chunks = self.traffic.step()
         got = self.runner.step(chunks)
+        t1 = clock()
         want = self.oracle.step(chunks)
+        t2 = clock()
         kind = step_kind(got)
         rep = self.report
         rep.steps += 1
@@ -305,6 +324,9 @@ class Soak:
             for runner in (self.runner, self.oracle, self.noise):
                 if runner is not None:
                     runner.free(req_id)
+        # Where a soak's time goes, host wall time (a runner's step waits for its results).
+        for part, seconds in (("compiled", t1 - t0), ("oracle", t2 - t1), ("checks", clock() - t2)):
+            self.seconds[part] = self.seconds.get(part, 0.0) + seconds
 
 
 def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len: int = 8192,
