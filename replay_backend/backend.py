@@ -1,9 +1,12 @@
-"""The ``dsv41_replay`` torch.compile backend: trace -> split -> compile -> graphs -> dispatch.
+"""The ``dsv41_replay`` torch.compile backend's state and entry point.
 
-``torch.compile(model, backend="dsv41_replay", options={...})`` finds this module
-through the ``torch_dynamo_backends`` entry point. :class:`ReplayBackend` is the same
-thing as an object, for runners that need to reach the compiled model (capture,
-inspection) and to make recompiles after warm-up an error.
+``torch.compile(model, backend="dsv41_replay", options={...})`` finds
+:func:`dsv41_replay` through the ``torch_dynamo_backends`` entry point, which keeps one
+:class:`ReplayBackend` per ``torch.compile`` call; passing a ``ReplayBackend`` as the
+backend does the same with an object in hand. It holds the graphs compiled for that
+call (each built by ``pipeline.build``: split -> compile -> graphs -> dispatch), their
+piece cache and their lifecycle: capture, start of serving, recompiles counted and
+refused once serving.
 """
 from __future__ import annotations
 
@@ -14,23 +17,16 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .passes.region import BEGIN, END, TRIM, ReplayRegionError, extract_replay_region, marked_window
-from .passes.roles import OpRole, declared_in
-from .passes.row_local import padding_unsafe
-from .passes.split import live_across, split_at_ops, step_dependent_ops
-
 from . import inspection, torch_compat
+from .capture.graphs import StrictFallbackError
+from .compiling.piece_cache import PieceCache
 from .config import ReplayConfig
 from .counters import counters
-from .forward_context import has_forward_context
-from .lifecycle import Lifecycle, Phase
-from .compiling.piece_cache import PieceCache
-from .compiling.pieces import PieceCompiler, wrap_uncompiled
-from .plan import SplitPlan
 from .dispatch.compiled import CompiledReplayModel
 from .dispatch.direct import CallLog
-from .capture.graphs import GraphLevel, GraphResources, StrictFallbackError
-from .dispatch.trim_op import ReplayRuntime
+from .forward_context import has_forward_context
+from .lifecycle import Lifecycle, Phase
+from .pipeline import build
 
 log = logging.getLogger("replay_backend")
 
@@ -160,125 +156,3 @@ def backend_of(compiled) -> ReplayBackend:
         raise ValueError("backend_of: no dsv41_replay backend state behind this object: compile a module with "
                          "torch.compile(model, backend='dsv41_replay') and run one step through it first")
     return state
-
-
-def _token_inputs(gm: fx.GraphModule, fake_inputs: list) -> tuple[list[int], list[int]]:
-    tokens, syms = [], []
-    for i, x in enumerate(fake_inputs):
-        if torch_compat.is_symint(x):
-            syms.append(i)
-        elif isinstance(x, torch.Tensor):
-            dims = torch_compat.symbolic_dims(x)
-            if dims and dims != [0]:
-                raise ValueError(f"graph input {i} is dynamic in dims {dims}: dsv41_replay supports "
-                                 "graphs dynamic only in the token count (dim 0)")
-            if dims:
-                tokens.append(i)
-    return tokens, syms
-
-
-def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, splitting: tuple[str, ...]) -> None:
-    """An op that reads per-step state (tagged ``cudagraph_unsafe``) must be a splitting op
-    when pieces are captured. The boundary markers are exempt: a graphed step runs them
-    as the identity they are in compiled models; so is the trim op, a splitting op."""
-    found = step_dependent_ops(gm, splitting, torch_compat.step_dependent_tags(), frozenset((BEGIN, END, TRIM)))
-    if found:
-        raise ValueError(f"option splitting_ops: {', '.join(found)} read(s) per-step state (tagged cudagraph_unsafe) "
-                         "but would be captured inside a graph piece: declare them attention ops "
-                         "(replay_backend.declare_attention), add them to splitting_ops, or run with "
-                         "cudagraph_mode='none'")
-
-
-def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
-          cache: PieceCache | None = None, dp_group=None, calls: CallLog | None = None,
-          graph_index: int = 0, lifecycle: Lifecycle | None = None) -> CompiledReplayModel:
-    if cfg.decoder_replay and (marked := marked_window(gm)) is not None:
-        # Before anything else: the first graph must refuse a threshold the window makes
-        # useless, even where this graph could not trim (e.g. one traced with static shapes).
-        cfg.check_window(marked)
-    cache = cache if cache is not None else PieceCache()
-    before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
-    fake_mode = torch_compat.detect_fake_mode(example_inputs)
-    fake_inputs = torch_compat.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
-    token_inputs, sym_inputs = _token_inputs(gm, fake_inputs)
-    graphs = cfg.graphs_enabled and bool(token_inputs)
-    use_cuda = graphs and any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
-    res = GraphResources(use_cuda=use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses,
-                         lifecycle=lifecycle if lifecycle is not None else Lifecycle())
-    main_sizes = cfg.capture_sizes() if graphs else []
-
-    # Attention breaks and KV sources as the model declared them (passes/roles.py),
-    # unless the options name the splitting ops.
-    splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)
-    kv_sources = declared_in(gm, OpRole.KV_SOURCE)
-    region, off_reason = None, None
-    if not cfg.decoder_replay:
-        off_reason = "decoder_replay=false"
-    else:
-        try:
-            region = extract_replay_region(gm, splitting, kv_sources)
-            if region is None:
-                off_reason = "no replay boundary markers in the graph"
-        except ReplayRegionError as e:
-            off_reason = str(e)
-            res.fallback("replay_region_unsupported", off_reason)
-    window = region.window if region is not None else None
-    if region is not None:
-        cfg.check_window(window)
-
-    if main_sizes:
-        _refuse_step_dependent_in_graphs(gm, splitting)
-    if main_sizes and (why := padding_unsafe(gm, splitting)) is not None:
-        res.fallback("main_graphs_padding_unsafe",
-                     f"steps run without main graphs, which would pad them: {why}")
-        main_sizes = []
-    main_level = GraphLevel("main", main_sizes)
-    split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None)
-    # Pieces whose outputs the trim op's region outlives: their graphs own their outputs.
-    keep = frozenset(live_across(split, next(p.name for p in main_infos if p.kind == "replay"))) \
-        if region is not None else frozenset()
-    replay = None
-    replay_infos = []
-    replay_sizes = cfg.replay_capture_sizes(window) if region is not None and graphs else []
-    if region is not None:
-        rsplit, replay_infos = split_at_ops(region.graph, splitting)
-        if replay_sizes or main_sizes:  # the region's pieces are captured at these sizes
-            _refuse_step_dependent_in_graphs(region.graph, splitting)
-        below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
-            if cfg.cudagraph_decoder_replay else main_sizes
-        rlevel = GraphLevel("replay", [*replay_sizes, *below])  # sorted and deduplicated there
-        replay = ReplayRuntime(rsplit, cfg, window, rlevel, replay_sizes, res, dp_group, main_sizes)
-
-        def compile_region(trim_args):
-            rows, consts = trim_args
-            PieceCompiler(rsplit, replay_infos, cfg, rlevel, res, cache).run(rows[0].shape[0], *rows, *consts)
-    else:
-        compile_region = None
-
-    if cfg.compiler == "eager":
-        wrap_uncompiled(split, main_infos, main_level, res, keep)
-        if region is not None:
-            wrap_uncompiled(rsplit, replay_infos, rlevel, res)
-    else:
-        ctx = fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
-        with ctx:
-            PieceCompiler(split, main_infos, cfg, main_level, res, cache, compile_region, keep).run(*fake_inputs)
-
-    if region is not None and main_sizes and cfg.cudagraph_decoder_replay \
-            and cfg.decoder_replay_trim_threshold > max(main_sizes):
-        log.warning("dsv41_replay: decoder_replay_trim_threshold=%d exceeds the largest main capture "
-                    "size %d: PIECEWISE steps never trim (eager steps still do)",
-                    cfg.decoder_replay_trim_threshold, max(main_sizes))
-    replay_layers = sorted(set().union(*(p.layers for p in replay_infos))) if replay_infos else []
-    for p in main_infos:
-        if p.kind == "replay":
-            p.layers = replay_layers
-    plan = SplitPlan(window, cfg.decoder_replay_trim_threshold,
-                     [replay_layers[0], replay_layers[-1]] if replay_layers else None,
-                     main_sizes, replay_sizes, main_infos, replay_infos, off_reason,
-                     {**cfg.as_dict(), "splitting_ops": list(splitting)})
-    log.info("dsv41_replay split plan:\n%s", plan.render())
-    sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
-    dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
-    return CompiledReplayModel(split, cfg, plan, main_level, replay, token_inputs, sym_inputs, res,
-                               calls=calls, sources=sources, dump_dir=dump_dir)

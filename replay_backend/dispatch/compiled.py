@@ -82,7 +82,7 @@ class CompiledReplayModel:
             self.calls.record(self, args, out)
         return out
 
-    def plan_step(self, ctx, num_tokens: int) -> StepPlan:
+    def decide(self, ctx, num_tokens: int) -> StepPlan:
         """The step's one decision (dispatch/decide.py), made before it runs."""
         use_graphs = ctx is None or ctx.use_graphs
         if self.replay is not None and ctx is not None:
@@ -94,7 +94,7 @@ class CompiledReplayModel:
         if not self.token_inputs:
             return self.split_gm(*args), None
         t = args[self.token_inputs[0]].shape[0]
-        plan = self.plan_step(ctx, t)
+        plan = self.decide(ctx, t)
         if ctx is not None:
             ctx.plan, ctx.replay_runtime = plan, self.replay
         if plan.kind is StepKind.EAGER:

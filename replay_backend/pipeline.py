@@ -1,0 +1,194 @@
+"""The stages that turn one traced graph into a compiled model, in order (SPEC §1):
+find and check the replay region, decide the main graphs' sizes, split at the
+attention ops, compile and wrap the pieces, and record the split plan. Each stage is
+one function; :func:`build` runs them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from . import inspection, torch_compat
+from .capture.graphs import GraphLevel, GraphResources
+from .compiling.piece_cache import PieceCache
+from .compiling.pieces import PieceCompiler, wrap_uncompiled
+from .config import ReplayConfig
+from .dispatch.compiled import CompiledReplayModel
+from .dispatch.direct import CallLog
+from .dispatch.trim_op import ReplayRuntime
+from .lifecycle import Lifecycle
+from .passes.region import (BEGIN, END, TRIM, ExtractedRegion, ReplayRegionError, extract_replay_region,
+                            marked_window)
+from .passes.roles import OpRole, declared_in
+from .passes.row_local import padding_unsafe
+from .passes.split import live_across, split_at_ops, step_dependent_ops
+from .plan import SplitPlan
+
+log = logging.getLogger("replay_backend")
+
+
+@dataclass(frozen=True)
+class Traced:
+    """What the stages read of the traced graph's inputs."""
+
+    fake_mode: object
+    fake_inputs: list
+    token_inputs: list[int]  # tensors whose first dimension is the token count
+    sym_inputs: list[int]  # the symbolic token count itself
+    use_cuda: bool  # graphs on CUDA (else emulated on the CPU)
+
+
+@dataclass
+class RegionParts:
+    """The replay region split and wrapped, with its runtime (the trim op's target)."""
+
+    split: fx.GraphModule
+    infos: list
+    level: GraphLevel
+    runtime: ReplayRuntime
+    sizes: list[int]  # replay capture sizes
+
+
+def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
+          cache: PieceCache | None = None, dp_group=None, calls: CallLog | None = None,
+          graph_index: int = 0, lifecycle: Lifecycle | None = None) -> CompiledReplayModel:
+    if cfg.decoder_replay and (marked := marked_window(gm)) is not None:
+        # Before anything else: the first graph must refuse a threshold the window makes
+        # useless, even where this graph could not trim (e.g. one traced with static shapes).
+        cfg.check_window(marked)
+    cache = cache if cache is not None else PieceCache()
+    before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
+    traced = _traced(gm, example_inputs, cfg)
+    res = GraphResources(use_cuda=traced.use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses,
+                         lifecycle=lifecycle if lifecycle is not None else Lifecycle())
+    graphs = cfg.graphs_enabled and bool(traced.token_inputs)
+    # Attention breaks and KV sources as the model declared them (passes/roles.py),
+    # unless the options name the splitting ops.
+    splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)
+    region, off_reason = _find_region(gm, cfg, splitting, res)
+    main_sizes = _main_sizes(gm, cfg, splitting, res) if graphs else []
+    main_level = GraphLevel("main", main_sizes)
+    split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None)
+    parts = _region_parts(region, cfg, splitting, main_sizes, graphs, res, dp_group) if region is not None else None
+    _compile(split, main_infos, main_level, parts, cfg, res, cache, traced)
+    plan = _split_plan(cfg, region, main_sizes, main_infos, parts, off_reason, splitting)
+    sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
+    dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
+    return CompiledReplayModel(split, cfg, plan, main_level, parts.runtime if parts else None, traced.token_inputs,
+                               traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir)
+
+
+def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:
+    fake_mode = torch_compat.detect_fake_mode(example_inputs)
+    fake_inputs = torch_compat.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
+    tokens, syms = [], []
+    for i, x in enumerate(fake_inputs):
+        if torch_compat.is_symint(x):
+            syms.append(i)
+        elif isinstance(x, torch.Tensor):
+            dims = torch_compat.symbolic_dims(x)
+            if dims and dims != [0]:
+                raise ValueError(f"graph input {i} is dynamic in dims {dims}: dsv41_replay supports "
+                                 "graphs dynamic only in the token count (dim 0)")
+            if dims:
+                tokens.append(i)
+    use_cuda = cfg.graphs_enabled and bool(tokens) and any(
+        isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
+    return Traced(fake_mode, fake_inputs, tokens, syms, use_cuda)
+
+
+def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphResources
+                 ) -> tuple[ExtractedRegion | None, str | None]:
+    """The replay region moved out of ``gm`` (which now holds the trim op), or None
+    and why not; a region the passes refuse is a counted fallback."""
+    if not cfg.decoder_replay:
+        return None, "decoder_replay=false"
+    try:
+        region = extract_replay_region(gm, splitting, declared_in(gm, OpRole.KV_SOURCE))
+    except ReplayRegionError as e:
+        res.fallback("replay_region_unsupported", str(e))
+        return None, str(e)
+    if region is None:
+        return None, "no replay boundary markers in the graph"
+    cfg.check_window(region.window)
+    return region, None
+
+
+def _main_sizes(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphResources) -> list[int]:
+    """The main graphs' sizes: none where padding a step could change its real rows."""
+    sizes = cfg.capture_sizes()
+    if sizes:
+        _refuse_step_dependent_in_graphs(gm, splitting)
+    if sizes and (why := padding_unsafe(gm, splitting)) is not None:
+        res.fallback("main_graphs_padding_unsafe", f"steps run without main graphs, which would pad them: {why}")
+        return []
+    return sizes
+
+
+def _region_parts(region: ExtractedRegion, cfg: ReplayConfig, splitting, main_sizes: list[int], graphs: bool,
+                  res: GraphResources, dp_group) -> RegionParts:
+    sizes = cfg.replay_capture_sizes(region.window) if graphs else []
+    if main_sizes and cfg.cudagraph_decoder_replay and cfg.decoder_replay_trim_threshold > max(main_sizes):
+        log.warning("dsv41_replay: decoder_replay_trim_threshold=%d exceeds the largest main capture "
+                    "size %d: PIECEWISE steps never trim (eager steps still do)",
+                    cfg.decoder_replay_trim_threshold, max(main_sizes))
+    split, infos = split_at_ops(region.graph, splitting)
+    if sizes or main_sizes:  # the region's pieces are captured at these sizes
+        _refuse_step_dependent_in_graphs(region.graph, splitting)
+    # Graphed steps below the threshold run the region on every row at their own size.
+    below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
+        if cfg.cudagraph_decoder_replay else main_sizes
+    level = GraphLevel("replay", [*sizes, *below])  # sorted and deduplicated there
+    runtime = ReplayRuntime(split, cfg, region.window, level, sizes, res, dp_group, main_sizes)
+    return RegionParts(split, infos, level, runtime, sizes)
+
+
+def _compile(split: fx.GraphModule, infos, level: GraphLevel, parts: RegionParts | None, cfg: ReplayConfig,
+             res: GraphResources, cache: PieceCache, traced: Traced) -> None:
+    """Compile and wrap every graph piece of the main graph and of the region."""
+    # Pieces whose outputs the trim op's region outlives: their graphs own their outputs.
+    keep = frozenset(live_across(split, next(p.name for p in infos if p.kind == "replay"))) \
+        if parts is not None else frozenset()
+    if cfg.compiler == "eager":
+        wrap_uncompiled(split, infos, level, res, keep)
+        if parts is not None:
+            wrap_uncompiled(parts.split, parts.infos, parts.level, res)
+        return
+
+    def compile_region(trim_args):  # with the rows and constants the trim op receives
+        rows, consts = trim_args
+        PieceCompiler(parts.split, parts.infos, cfg, parts.level, res, cache).run(rows[0].shape[0], *rows, *consts)
+
+    mode = traced.fake_mode if traced.fake_mode is not None else torch._subclasses.fake_tensor.FakeTensorMode()
+    with mode:
+        PieceCompiler(split, infos, cfg, level, res, cache, compile_region if parts else None, keep
+                      ).run(*traced.fake_inputs)
+
+
+def _split_plan(cfg: ReplayConfig, region, main_sizes, main_infos, parts: RegionParts | None, off_reason,
+                splitting) -> SplitPlan:
+    replay_infos = parts.infos if parts is not None else []
+    layers = sorted(set().union(*(p.layers for p in replay_infos))) if replay_infos else []
+    for p in main_infos:
+        if p.kind == "replay":
+            p.layers = layers
+    plan = SplitPlan(region.window if region is not None else None, cfg.decoder_replay_trim_threshold,
+                     [layers[0], layers[-1]] if layers else None, main_sizes, parts.sizes if parts else [],
+                     main_infos, replay_infos, off_reason, {**cfg.as_dict(), "splitting_ops": list(splitting)})
+    log.info("dsv41_replay split plan:\n%s", plan.render())
+    return plan
+
+
+def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, splitting: tuple[str, ...]) -> None:
+    """An op that reads per-step state (tagged ``cudagraph_unsafe``) must be a splitting op
+    when pieces are captured. The boundary markers are exempt: a graphed step runs them
+    as the identity they are in compiled models; so is the trim op, a splitting op."""
+    found = step_dependent_ops(gm, splitting, torch_compat.step_dependent_tags(), frozenset((BEGIN, END, TRIM)))
+    if found:
+        raise ValueError(f"option splitting_ops: {', '.join(found)} read(s) per-step state (tagged cudagraph_unsafe) "
+                         "but would be captured inside a graph piece: declare them attention ops "
+                         "(replay_backend.declare_attention), add them to splitting_ops, or run with "
+                         "cudagraph_mode='none'")
