@@ -74,7 +74,8 @@ class ReplayRuntime:
         # What each step's decision reads (decide.py); io_pairs grow as capture makes them.
         self.sizes = Sizes(tuple(sorted(main_sizes or [])), tuple(self.replay_sizes), frozenset(level.sizes),
                            threshold, frozenset(), has_region=True)
-        # Host time of the op itself (decision, gather, pad, scatter), without the region.
+        # Host time of the op itself (gather, pad, scatter), without the region; the step's
+        # decision is made before the step (decide.py), outside this time.
         self.host_us: deque[float] = deque(maxlen=4096)
         self._region_s = 0.0
 
