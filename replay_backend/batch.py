@@ -288,8 +288,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     # is on the critical path before its first kernel.
     # One arange per request, not ``repeat_interleave`` of the bases: that one runs a
     # parallel region for two or more requests, which on a host whose cores are busy
-    # waits for a scheduler time slice (8 ms measured on a 2-core machine running
-    # another process; 10 us when idle, the same as this).
+    # waits for a scheduler time slice (milliseconds), and is no faster when idle.
     pos = torch.cat([torch.arange(r.seq_len - q, r.seq_len, dtype=torch.int64)
                      for r, q in zip(requests, qlens)])
     slots = torch.cat([torch.arange(b + r.seq_len - q, b + r.seq_len, dtype=torch.int64)
@@ -328,9 +327,9 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:
-    """Python ints as a 1-D int64 host tensor. ``torch.tensor`` inspects every element
-    (167 us for 1,152 of them on a 2-core CPU host, 26 us this way): the step's rows and
-    attention row blocks are built on its critical path, before its first kernel."""
+    """Python ints as a 1-D int64 host tensor. ``torch.tensor`` inspects every element,
+    several times slower: the step's rows and attention row blocks are built on its
+    critical path, before its first kernel."""
     if not values:
         return torch.empty(0, dtype=torch.int64)
     # The tensor holds a reference to the array, which owns the memory.

@@ -58,8 +58,8 @@ class ForwardContext:
 
 class _Activated:
     """The context manager of :meth:`ForwardContext.activate`: a plain class, because
-    the trim op enters one on every step, where a generator-based one costs host time
-    (about 20 us per use in a profile of the op)."""
+    the trim op enters one on every step, where a generator-based one costs several
+    times as much host time."""
 
     __slots__ = ("ctx", "view", "saved")
 

@@ -1,8 +1,8 @@
 """Custom ops defined by schema, for the ops that run eagerly on every step.
 
 ``torch.library.custom_op`` wraps every call in Python layers (argument binding,
-mutation bookkeeping): about 15 us per call on the CI machine's CPU, against about
-2 us for an op defined by its schema with ``torch.library.Library``. The attention
+mutation bookkeeping), several times the cost of an op defined by its schema with
+``torch.library.Library``. The attention
 ops run 40 times per step between graph pieces, the trim op once, and the grouped MoE
 and the fused Sinkhorn inside every piece run without graphs, so that difference is
 host time on the step's path. To Dynamo, fake tensors and Inductor both kinds of op

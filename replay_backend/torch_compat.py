@@ -57,7 +57,7 @@ def dynamic_tokens(*token_inputs) -> Iterator[None]:
 class no_recompile:
     """Make any Dynamo recompile raise inside a ``with`` (after warm-up a recompile is an
     error). Entered once per served step, so the flag is set and restored directly:
-    ``config.patch`` costs about 20 us of host time, on the step's critical path."""
+    ``config.patch`` costs several times as much host time, on the step's critical path."""
 
     def __enter__(self) -> None:
         self.saved = torch._dynamo.config.error_on_recompile

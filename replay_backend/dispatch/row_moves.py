@@ -3,7 +3,7 @@
 A step whose main layers run without graphs has no fixed addresses to capture the
 gathers against (trim_io.py), so per step the op gathers every row tensor into the
 region's inputs and scatters the region's outputs back. As PyTorch ops that is a launch
-per row tensor (``index_select``, about 26 us of host time each on the H200's host)
+per row tensor (``index_select``, tens of microseconds of host time each)
 plus a fill and an ``index_copy_`` per output. Here one Triton kernel gathers the
 replay rows of all row tensors (one program per row and tensor) and one writes every
 output whole: each main row takes its replay row's result, or zeros when trimmed.

@@ -141,8 +141,7 @@ class ReplayRuntime:
         if self.io is not None and plan.kind == "piecewise" and self.res.lifecycle.capturing_main:
             self.io.remember(plan.padded_tokens, rows, outs)
         bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
-        saved, ctx.active = ctx.active, rep.view if plan.trim else batch.view
-        try:
+        with ctx.activate(rep.view if plan.trim else batch.view):
             if plan.io_graphs:
                 if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
                     self.io.stage(rep.count_rows)
@@ -158,8 +157,6 @@ class ReplayRuntime:
                     for b, x in zip(bufs, rows):
                         b.copy_(x[:size])
                 res = self.run_region(bufs, consts, size)
-        finally:
-            ctx.active = saved
         if res is not None and plan.trim:
             self.moves.scatter(res, outs, rep.rows_t)
         elif res is not None:
