@@ -66,7 +66,7 @@ def live_across(split: fx.GraphModule, piece: str) -> set[str]:
     out-arguments, which the pieces after it read).
 
     Their outputs are alive while ``piece`` runs; graphs it runs from the same memory
-    pool must not have been given their memory (see ``runtime/graphs.py``)."""
+    pool must not have been given their memory (see ``capture/graphs.py``)."""
     order = {n: i for i, n in enumerate(split.graph.nodes)}
     at = next((n for n in split.graph.nodes if n.op == "call_module" and n.target == piece), None)
     if at is None:

@@ -50,7 +50,7 @@ class ReplayBackend:
         self.compiled: list[CompiledReplayModel] = []
         self.lifecycle = Lifecycle()  # shared by every graph compiled for this state
         # Calls of the compiled model while a runner watches (its warm-up steps): the
-        # runner learns from them how to call the model without Dynamo (runtime/direct.py).
+        # runner learns from them how to call the model without Dynamo (dispatch/direct.py).
         self.calls = CallLog()
 
     @property
@@ -113,8 +113,7 @@ class ReplayBackend:
             counters.recompiles += 1
             raise RuntimeError(
                 f"dsv41_replay: recompile after warm-up (while {self.phase.value}). The model must trace once, "
-                "dynamic only "
-                "in the token count (mark the token dimension dynamic; see docs/debugging.md)")
+                "dynamic only in the token count (mark the token dimension dynamic; see docs/debugging.md)")
         if self.compiled:
             counters.recompiles += 1
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)

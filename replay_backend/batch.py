@@ -263,7 +263,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
 
     ``inputs_in_metadata``: the token ids and positions travel in the metadata's one
     copy too, as views of it, instead of in two copies of their own. Only for a model
-    that is not called through Dynamo (a served step's direct entry, runtime/direct.py):
+    that is not called through Dynamo (a served step's direct entry, dispatch/direct.py):
     Dynamo would trace the views' storage offsets as symbols of a new graph.
 
     ``metadata``: the copy goes into this fixed buffer (a serving runner's) instead of

@@ -3,7 +3,8 @@
 Attention ops and the trim op are opaque to Dynamo and read per-step metadata from
 here instead of from their arguments, so the traced graph stays the same for every
 step and only the token count is dynamic. The runner sets a context around each
-model call; the compiled backend adds what it learned about the step (kind, padding).
+model call; the compiled backend adds its plan for the step (dispatch/decide.py), which
+its pieces and the trim op execute.
 """
 from __future__ import annotations
 

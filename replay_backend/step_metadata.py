@@ -7,7 +7,7 @@ a :class:`MetadataBuffer`, a fixed region of device memory allocated once, so th
 fields have the same address in every served step. The trim op's gather graph reads
 the replay count and rows at the buffer's head in place: they are the first field of
 every step's layout, so no per-step copy into the graph's own index buffer is needed
-(runtime/trim_io.py).
+(dispatch/trim_io.py).
 
 A fixed buffer means a batch's device fields are valid until its runner builds the
 next batch. The copy is queued in stream order, so a step the GPU is still running

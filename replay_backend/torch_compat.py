@@ -45,15 +45,6 @@ def size_oblivious() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def dynamic_tokens(*token_inputs) -> Iterator[None]:
-    """Call a compiled model so it traces once, dynamic only in the token count: mark
-    dim 0 of every token-indexed input dynamic and trace size-obliviously."""
-    mark_tokens_dynamic(*token_inputs)
-    with size_oblivious():
-        yield
-
-
 class no_recompile:
     """Make any Dynamo recompile raise inside a ``with`` (after warm-up a recompile is an
     error). Entered once per served step, so the flag is set and restored directly:

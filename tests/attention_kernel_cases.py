@@ -1,4 +1,4 @@
-"""The attention kernel (models/attention_triton.py), whole and with its global keys
+"""The attention kernel (reference/attention_triton.py), whole and with its global keys
 split into chunks, against the PyTorch reference of one request's attention: the
 cases shared by the CPU test (under Triton's interpreter, in a child process) and the
 GPU test."""

@@ -1,4 +1,4 @@
-"""The attention ops' one-launch cache writes (models/cache_triton.py) against the
+"""The attention ops' one-launch cache writes (reference/cache_triton.py) against the
 PyTorch reference of the same writes (``index_copy_`` and ``attention_ops._compress``):
 the case shared by the CPU test (under Triton's interpreter, in a child process) and
 the GPU test."""

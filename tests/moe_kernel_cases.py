@@ -1,4 +1,4 @@
-"""The grouped MoE's sort, SwiGLU and combine kernels (models/moe_triton.py) against
+"""The grouped MoE's sort, SwiGLU and combine kernels (reference/moe_triton.py) against
 the PyTorch ops they replace (a stable sort, a division and a search; a SiLU and a
 product; an unsort, a product, a sum and casts), and the whole op with and without
 them: the cases shared by the CPU test (under Triton's interpreter, in a child

@@ -1,4 +1,4 @@
-"""The trim op's row-moves kernel (runtime/row_moves.py) against PyTorch indexing:
+"""The trim op's row-moves kernel (dispatch/row_moves.py) against PyTorch indexing:
 the cases shared by the CPU test (under Triton's interpreter, in a child process) and
 the GPU test."""
 import torch

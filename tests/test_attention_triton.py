@@ -1,4 +1,4 @@
-"""The attention kernel (models/attention_triton.py) on the CPU: under Triton's
+"""The attention kernel (reference/attention_triton.py) on the CPU: under Triton's
 interpreter in a child process, whole and with its global keys split, against the
 PyTorch reference (attention_kernel_cases.py, which test_gpu.py runs compiled), and
 the split plan's host arithmetic."""

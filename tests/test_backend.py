@@ -179,7 +179,7 @@ def test_plan_shape(shared):
 
 def test_outputs_alive_across_the_trim_op_stay_owned(shared):
     """Only the piece that allocates the trim op's outputs (read after the region) is
-    read across the trim op; its graph outputs must stay owned (runtime/graphs.py)."""
+    read across the trim op; its graph outputs must stay owned (capture/graphs.py)."""
     plan, m = shared.be.model.plan, shared.be.model
     before_trim = plan.main_pieces[-2].name
     assert {r.name for r in m.runners("main") if r.keep_outputs} == {before_trim}

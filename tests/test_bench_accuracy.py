@@ -1,4 +1,4 @@
-"""The bench's accuracy gate (bench_accuracy) on the CPU."""
+"""The bench's accuracy gate (reference/accuracy.py) on the CPU."""
 import torch
 
 from replay_backend.bench import report as bench_report

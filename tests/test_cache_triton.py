@@ -1,4 +1,4 @@
-"""The attention ops' one-launch cache writes (models/cache_triton.py) on the CPU:
+"""The attention ops' one-launch cache writes (reference/cache_triton.py) on the CPU:
 the kernel under Triton's interpreter in a child process against the reference ops
 (cache_write_cases.py, which test_gpu.py runs compiled), and the kept build's launch."""
 import pytest

@@ -1,5 +1,5 @@
 """Served steps call the compiled model directly, as the warm-up steps through Dynamo
-taught (runtime/direct.py), against the eager oracle and against Dynamo's own entry."""
+taught (dispatch/direct.py), against the eager oracle and against Dynamo's own entry."""
 from __future__ import annotations
 
 import dataclasses

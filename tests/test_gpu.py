@@ -173,7 +173,7 @@ def test_grouped_moe_matches_dense():
 
 
 def test_moe_kernels_match_the_pytorch_ops_to_the_bit(monkeypatch):
-    """The grouped MoE's sort, SwiGLU and combine kernels (models/moe_triton.py),
+    """The grouped MoE's sort, SwiGLU and combine kernels (reference/moe_triton.py),
     compiled: the cases against the ops they replace, then the whole op with and without
     them on a mini-2k-shaped MoE, with a step above the kernels' size taking the
     PyTorch ops."""
@@ -278,7 +278,7 @@ def test_step_metadata_copies_do_not_wait_for_the_device():
 
 
 def test_row_moves_kernel_matches_indexing():
-    """The trim op's one-launch gather and scatter (runtime/row_moves.py), compiled for
+    """The trim op's one-launch gather and scatter (dispatch/row_moves.py), compiled for
     the GPU, on the boundary tensors' dtypes and layouts, with rows at both ends."""
     from row_moves_cases import check_against_indexing
 
@@ -286,7 +286,7 @@ def test_row_moves_kernel_matches_indexing():
 
 
 def test_cache_write_kernel_matches_the_reference_ops():
-    """The attention ops' one-launch cache writes (models/cache_triton.py), compiled for
+    """The attention ops' one-launch cache writes (reference/cache_triton.py), compiled for
     the GPU: SWA, raw and global caches against index_copy_ and the PyTorch compressor."""
     from cache_write_cases import check_against_reference
 

@@ -1,4 +1,4 @@
-"""The grouped MoE's sort, SwiGLU and combine kernels (models/moe_triton.py) on the CPU:
+"""The grouped MoE's sort, SwiGLU and combine kernels (reference/moe_triton.py) on the CPU:
 under Triton's interpreter in a child process, against the PyTorch ops they replace,
 and the whole op with and without them (moe_kernel_cases.py, which test_gpu.py runs
 compiled)."""

@@ -1,4 +1,4 @@
-"""The trim op's one-launch row moves (runtime/row_moves.py) on the CPU.
+"""The trim op's one-launch row moves (dispatch/row_moves.py) on the CPU.
 
 The kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton
 is imported, hence a child process): against PyTorch indexing, and inside trimmed steps

@@ -22,7 +22,7 @@ def kernel_floor_ms(ttft: Callable[[], float]) -> float:
 
 def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str | None = None) -> None:
     """Where one TTFT's time goes: host wall time, GPU kernel time, the GPU's idle time
-    by cause (:mod:`bench_gaps`), top ops and kernels, appended to ``path`` under
+    by cause (:mod:`bench.gaps`), top ops and kernels, appended to ``path`` under
     ``title`` (one file holds every profile of a run). With ``trace_dir`` the Chrome
     trace is kept there, gzipped."""
     import gzip

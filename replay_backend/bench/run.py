@@ -23,6 +23,7 @@ from .. import torch_compat
 from ..backend import ReplayBackend
 from ..reference.accuracy import CHECK, yardstick
 from .report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
+from ..tracing.dynamic import call_dynamic
 from .flops import measured_peak, point_flops
 from .timing import ModeRun, TimedMode, host_probe, sync, time_points
 from ..reference.cli_options import parse_options
@@ -53,8 +54,7 @@ class _Dynamic:
         self.fn = fn
 
     def __call__(self, ids, pos):
-        with torch_compat.dynamic_tokens(ids, pos):
-            return self.fn(ids, pos)
+        return call_dynamic(self.fn, (ids, pos), False, ids, pos)
 
 
 class SharedTrace:

@@ -52,7 +52,7 @@ class ModeRun:
     events: dict = field(default_factory=dict)
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
     rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
-    drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (bench_accuracy)
+    drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (reference/accuracy.py)
     error: str | None = None
 
 

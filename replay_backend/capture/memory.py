@@ -1,6 +1,6 @@
 """Graph memory estimate before capture (SPEC §7: know the cost before paying it).
 
-All graphs share one pool and keep non-owning outputs (``runtime/graphs.py``), so the
+All graphs share one pool and keep non-owning outputs (``capture/graphs.py``), so the
 pool settles at about one step's activations at the largest main size, plus the
 outputs that stay owned because they are alive across the trim op (one set per main
 size), plus whatever the replay graphs need beyond the memory the main step freed.

@@ -21,7 +21,7 @@ from ..counters import counters
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from ..capture.graphs import GraphLevel, GraphResources
-from .decide import Sizes, StepPlan, plan_step, wants_trim, main_size
+from .decide import Sizes, StepKind, StepPlan, main_size, plan_step, wants_trim
 from .row_moves import RowMoves
 from .trim_io import TrimIO
 
@@ -115,7 +115,7 @@ class ReplayRuntime:
     def plan(self, batch, num_tokens: int, use_graphs: bool = True) -> StepPlan:
         """The step's one decision (decide.py), agreed with the data-parallel ranks."""
         rep = batch.replay
-        trimmable = rep.num_rows < batch.num_tokens
+        trimmable = batch.has_trimmable_rows
         agreed = None
         capturing_main = self.res.lifecycle.capturing_main  # the region runs without graphs meanwhile
         if self.dp_group is not None and not capturing_main:
@@ -138,7 +138,7 @@ class ReplayRuntime:
         if self.buffers is None and self.sizes.region:
             self._static_inputs(rows)
         size = plan.replay_padded
-        if self.io is not None and plan.kind == "piecewise" and self.res.lifecycle.capturing_main:
+        if self.io is not None and plan.kind is StepKind.PIECEWISE and self.res.lifecycle.capturing_main:
             self.io.remember(plan.padded_tokens, rows, outs)
         bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
         with ctx.activate(rep.view if plan.trim else batch.view):

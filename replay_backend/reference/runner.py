@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import torch_compat
 from ..batch import RequestChunk, StepBatch, build_step_batch, dummy_step_batch, validate_requests
 from ..dispatch.decide import StepInfo, TrimRecord
 from ..forward_context import ForwardContext, set_forward_context
@@ -27,6 +26,7 @@ from . import attention_triton
 from .dsv41_mini import DSv41Mini
 from ..dispatch import direct
 from ..step_metadata import MetadataBuffer, metadata_capacity
+from ..tracing.dynamic import call_dynamic
 
 log = logging.getLogger("replay_backend")
 
@@ -102,7 +102,7 @@ class StepRunner:
             self.forward = torch.compile(model, backend=backend, fullgraph=True)
         self._blocks: dict[Any, int] = {}
         self._cached: dict[Any, int] = {}  # positions in cache per request, after its last step
-        # Direct dispatch (runtime/direct.py): what the warm-up steps taught, and the entry
+        # Direct dispatch (dispatch/direct.py): what the warm-up steps taught, and the entry
         # served steps take once serving started.
         self._learned: direct.DirectEntry | str | None = None
         self._direct: direct.DirectEntry | None = None
@@ -224,14 +224,10 @@ class StepRunner:
             return self._direct(ids, pos)
         be = self.backend
         if be.frozen:
-            # Served steps never trace (a trace now is a recompile, an error), so the
-            # size-oblivious tracing knob is not needed: its config patch is host time.
-            torch_compat.mark_tokens_dynamic(ids, pos)
-            with torch_compat.no_recompile():
-                return self.forward(ids, pos)
+            return call_dynamic(self.forward, (ids, pos), True, ids, pos)
         watch = be.calls.watch() if be.config.direct_dispatch else contextlib.nullcontext()
-        with torch_compat.dynamic_tokens(ids, pos), watch:
-            hidden = self.forward(ids, pos)
+        with watch:
+            hidden = call_dynamic(self.forward, (ids, pos), False, ids, pos)
         call = be.calls.take()  # None when not watched
         if call is not None:  # learn how served steps can call the model without Dynamo
             if self._fixed is None:
@@ -244,7 +240,7 @@ class StepRunner:
 
     def start_serving(self) -> None:
         """Warm-up is over: a recompile is an error from now on, and served steps call
-        the compiled model directly (``direct_dispatch``, runtime/direct.py) as the
+        the compiled model directly (``direct_dispatch``, dispatch/direct.py) as the
         warm-up steps taught, or through Dynamo where that could not be learned (a
         counted fallback). :meth:`capture` ends with this; without graphs call it after
         the warm-up steps."""

@@ -28,6 +28,19 @@ def mark_token_dims(*tensors: torch.Tensor) -> None:
     torch_compat.mark_tokens_dynamic(*tensors)
 
 
+def call_dynamic(fn: Callable, tokens: Sequence[torch.Tensor], serving: bool, *args, **kwargs):
+    """Call ``fn`` (compiled with this backend) with dim 0 of ``tokens`` dynamic. Before
+    serving it traces size-obliviously (no one-token specialisation); once serving, a
+    trace is a recompile, an error, so the size-oblivious knob, whose config patch is
+    host time on every step, is left out."""
+    torch_compat.mark_tokens_dynamic(*tokens)
+    if serving:
+        with torch_compat.no_recompile():
+            return fn(*args, **kwargs)
+    with torch_compat.size_oblivious():
+        return fn(*args, **kwargs)
+
+
 class ReplayCompiled(nn.Module):
     """``model`` compiled with one :class:`ReplayBackend`, called like the model.
 
@@ -67,12 +80,7 @@ class ReplayCompiled(nn.Module):
 
     def forward(self, *args, **kwargs):
         tokens = self._token_tensors(args, kwargs)
-        if self.backend.phase is Phase.SERVING:
-            torch_compat.mark_tokens_dynamic(*tokens)
-            with torch_compat.no_recompile():
-                return self.compiled(*args, **kwargs)
-        with torch_compat.dynamic_tokens(*tokens):
-            return self.compiled(*args, **kwargs)
+        return call_dynamic(self.compiled, tokens, self.backend.lifecycle.serving, *args, **kwargs)
 
     # ---- lifecycle (ReplayBackend's) -----------------------------------------------
     @property
