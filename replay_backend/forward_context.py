@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from .batch import AttnView, StepBatch
@@ -34,6 +34,12 @@ class ForwardContext:
     # the replay-region runtime the trim op dispatches to.
     plan: Any = None
     replay_runtime: Any = None
+    # ``prepare_view(view, graph_size)``: the model's host-side planning for a view that
+    # attention is about to read (e.g. FlashInfer's ``plan()``), outside any graph. The
+    # runner calls it for the whole batch before the model; :meth:`activate` calls it
+    # for the view the replay region runs on, with the replay graph's size when the
+    # region runs as a graph (None otherwise), before the region runs or replays.
+    prepare_view: Callable[["AttnView", "int | None"], None] | None = None
 
     def __post_init__(self) -> None:
         if self.eager_replay not in ("off", "parent"):
@@ -52,9 +58,18 @@ class ForwardContext:
         """The replay region's part of the plan (``TrimRecord``), or None."""
         return self.plan.record if self.plan is not None else None
 
-    def activate(self, view: "AttnView") -> "_Activated":
-        """Point attention at ``view`` for the duration of a ``with`` (the replay region)."""
-        return _Activated(self, view)
+    def point_at(self, view: "AttnView", graph_size: int | None = None) -> "AttnView":
+        """Point attention at ``view`` (planned first, see ``prepare_view``); returns the
+        view it pointed at before."""
+        if self.prepare_view is not None:
+            self.prepare_view(view, graph_size)
+        saved, self.active = self.active, view
+        return saved
+
+    def activate(self, view: "AttnView", graph_size: int | None = None) -> "_Activated":
+        """Point attention at ``view`` for the duration of a ``with`` (the replay region,
+        run as a graph of ``graph_size`` rows, or directly for None)."""
+        return _Activated(self, view, graph_size)
 
 
 class _Activated:
@@ -62,13 +77,13 @@ class _Activated:
     the trim op enters one on every step, where a generator-based one costs several
     times as much host time."""
 
-    __slots__ = ("ctx", "view", "saved")
+    __slots__ = ("ctx", "view", "size", "saved")
 
-    def __init__(self, ctx: ForwardContext, view: "AttnView") -> None:
-        self.ctx, self.view = ctx, view
+    def __init__(self, ctx: ForwardContext, view: "AttnView", size: int | None) -> None:
+        self.ctx, self.view, self.size = ctx, view, size
 
     def __enter__(self) -> None:
-        self.saved, self.ctx.active = self.ctx.active, self.view
+        self.saved = self.ctx.point_at(self.view, self.size)
 
     def __exit__(self, *exc) -> None:
         self.ctx.active = self.saved

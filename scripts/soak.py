@@ -10,6 +10,7 @@ exits 1 on any mismatch or fallback.
 
     python3 scripts/soak.py --preset mini-1k --dtype float32 --steps 500 --seed 1
     python3 scripts/soak.py --preset mini-2k --dtype bfloat16 --steps 500 --seed 2
+    python3 scripts/soak.py --preset mini-2k --dtype bfloat16 --model-option attention_impl=flashinfer
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import time
 
 import torch
 
-from replay_backend.reference.cli_options import parse_options
-from replay_backend.reference import PRESETS, build_model, preset
+from replay_backend.reference.cli_options import model_config, parse_options
+from replay_backend.reference import PRESETS, build_model
 from replay_backend.reference.soak import soak
 
 
@@ -36,11 +37,13 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option")
+    ap.add_argument("--model-option", action="append", metavar="KEY=VALUE",
+                    help="a model config field, e.g. attention_impl=flashinfer")
     ap.add_argument("--max-seconds", type=float, help="stop taking steps after this long (capture not counted)")
     ap.add_argument("--json", metavar="PATH", help="write the report here too")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    model = build_model(preset(args.preset), args.device, getattr(torch, args.dtype))
+    model = build_model(model_config(args.preset, args.model_option), args.device, getattr(torch, args.dtype))
     report = soak(model, args.steps, args.seed, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, options=parse_options(args.option),
                   log=lambda line: print(line, flush=True), max_seconds=args.max_seconds)

@@ -277,7 +277,7 @@ TINY = preset("tiny")
         (dict(rope_dim=128, head_dim=64), "rope_dim=128"),
         (dict(top_k=5, num_experts=4), r"top_k=5 must be in \[1, num_experts=4\]"),
         (dict(window=0), "window must be positive"),
-        (dict(attention_impl="flash"), "attention_impl must be auto, reference or triton, got 'flash'"),
+        (dict(attention_impl="flash"), "attention_impl must be auto, reference, triton or flashinfer, got 'flash'"),
         (dict(moe_impl="sparse"), "moe_impl must be auto, dense or grouped, got 'sparse'"),
         (dict(moe_permute_impl="sort"), "moe_permute_impl must be auto, reference or triton, got 'sort'"),
         (dict(attention_split="no"), "attention_split must be true or false, got 'no'"),

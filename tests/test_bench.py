@@ -115,10 +115,15 @@ def test_render_has_the_table_shape_and_ratios(tmp_path):
     assert "- default/replay: 1024/1: 80 us, 8192/8: 300 us (70 / 90 / 400 / 900 by step)" in text
     # the CLI writes the table and the report whole, each time it is handed one
     args = SimpleNamespace(json=str(tmp_path / "b.json"), out=str(tmp_path / "b.md"))
-    assert cli._write_report(args, report) == text
+    assert cli._write_report(args, [report]) == text
     assert json.loads((tmp_path / "b.json").read_text()) == report
     assert (tmp_path / "b.md").read_text() == text + "\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json", "b.md"]  # no partial file left
+    # one report per attention implementation (--attention triton,flashinfer)
+    other = {**report, "model_options": ["attention_impl=flashinfer"]}
+    both = cli._write_report(args, [report, other])
+    assert both.startswith(text) and "(attention_impl=flashinfer)" in both.split(text, 1)[1]
+    assert json.loads((tmp_path / "b.json").read_text()) == {"reports": [report, other]}
 
 
 def test_render_flags_first_runs_far_above_their_median():

@@ -8,6 +8,9 @@ from replay_backend import RequestChunk, StepRunner, build_model, preset
 from replay_backend.backend import ReplayBackend
 from replay_backend.reference.compare import kept_kv, max_abs_err, max_abs_err_kv, within_band
 from replay_backend.counters import counters
+from replay_backend.reference import attention_flashinfer
+
+import flashinfer_merge_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -347,3 +350,47 @@ def test_serving_soak_at_the_real_window_has_no_mismatch():
     assert report.mismatches == [] and not report.counters_moved.get("fallbacks"), report.render()
     assert {"piecewise/trimmed/replay-graph/io-graphs", "piecewise/untrimmed/replay-graph",
             "eager/trimmed/replay-graph"} <= set(report.kinds), report.kinds
+
+
+# ---- attention_impl="flashinfer" (skipped where FlashInfer is not installed) ---------
+needs_flashinfer = pytest.mark.skipif(not attention_flashinfer.available(), reason="FlashInfer is not installed")
+# Floors below, inside and above a chunk's rows, prompts from position 0.
+FLOORED = [
+    [RequestChunk("a", 50, 90, kv_start=70), RequestChunk("b", 3, 33)],
+    [RequestChunk("a", 33, 33, keep_all=True), RequestChunk("b", 20, 61, kv_start=50)],
+    [RequestChunk("a", 70, 200, kv_start=150), RequestChunk("b", 1, 2)],
+]
+
+
+def test_merge_kernel_is_one_softmax_over_both_key_sets_and_the_sink():
+    flashinfer_merge_cases.check_merge("cuda")
+
+
+@needs_flashinfer
+def test_flashinfer_matches_the_fp32_reference(model):
+    """Every step of the compositions, uncompiled: FlashInfer in bf16 against the PyTorch
+    reference attention in fp32 (the same weights), within the bf16 band."""
+    fim = build_model(CFG.replace(attention_impl="flashinfer"), "cuda", torch.bfloat16)
+    fim.load_state_dict(model.state_dict())
+    ref = build_model(CFG.replace(attention_impl="reference", moe_impl="dense"), "cuda", torch.float32)
+    ref.load_state_dict(model.state_dict())  # copied into fp32 parameters
+    a, b = StepRunner(fim, max_model_len=512), StepRunner(ref, max_model_len=512)
+    for i, reqs in enumerate(COMPOSITIONS + FLOORED):
+        reqs = [RequestChunk(f"{r.req_id}{i}", r.query_len, r.seq_len, keep_all=r.keep_all, kv_start=r.kv_start)
+                for r in reqs]
+        a.prefill_context(reqs), b.prefill_context(reqs)
+        oa, ob = a.step(reqs), b.step(reqs)
+        assert within_band(oa.logits, ob.logits), (reqs, max_abs_err(oa.logits, ob.logits))
+        assert within_band(kept_kv(a.kv, oa.batch), kept_kv(b.kv, ob.batch)), reqs
+        for r in (a, b):
+            for q in reqs:
+                r.free(q.req_id)
+
+
+@needs_flashinfer
+def test_flashinfer_serving_matches_its_eager_model(model):
+    """Captured and serving (replay graphs planned before each replay) against the same
+    model uncompiled, on every composition."""
+    fim = build_model(CFG.replace(attention_impl="flashinfer"), "cuda", torch.bfloat16)
+    fim.load_state_dict(model.state_dict())
+    check_compositions(fim, "eager", None)

@@ -26,10 +26,10 @@ from .report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the C
 from ..tracing.dynamic import call_dynamic
 from .flops import measured_peak, point_flops
 from .timing import ModeRun, TimedMode, host_probe, sync, time_points
-from ..reference.cli_options import parse_options
+from ..reference.cli_options import model_config, parse_options
 from ..reference.compare import max_abs_err
 from ..config import ReplayConfig
-from ..reference import build_model, preset
+from ..reference import build_model
 from ..compiling.piece_cache import PieceCache
 from ..reference.runner import StepRunner
 
@@ -79,18 +79,7 @@ class SharedTrace:
 
 
 def _model_config(args):
-    base = preset(args.preset)
-    overrides = {}
-    for k, v in parse_options(getattr(args, "model_option", None), "--model-option").items():
-        if isinstance(v, list):
-            v = tuple(v)
-        elif isinstance(getattr(base, k, None), tuple):  # one layer id parses as a number
-            v = (v,)
-        overrides[k] = v
-    try:
-        return preset(args.preset, **overrides)
-    except TypeError as e:
-        raise ValueError(f"--model-option: {e}") from None
+    return model_config(args.preset, getattr(args, "model_option", None))
 
 
 # What each mode and the wide setting decide; --option may not set these.

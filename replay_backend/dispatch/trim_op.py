@@ -141,7 +141,7 @@ class ReplayRuntime:
         if self.io is not None and plan.kind is StepKind.PIECEWISE and self.res.lifecycle.capturing_main:
             self.io.remember(plan.padded_tokens, rows, outs)
         bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
-        with ctx.activate(rep.view if plan.trim else batch.view):
+        with ctx.activate(rep.view if plan.trim else batch.view, size):
             if plan.io_graphs:
                 if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
                     self.io.stage(rep.count_rows)
@@ -198,5 +198,6 @@ class ReplayRuntime:
         if self.consts is None or self.buffers is None:
             raise RuntimeError("run one step through the compiled model before capturing replay graphs")
         bufs = self._sliced(self.buffers, size)
-        with get_forward_context().activate(view):
-            return self.run_region(bufs, self.consts, size if graphs else None)
+        size = size if graphs else None
+        with get_forward_context().activate(view, size):
+            return self.run_region(bufs, self.consts, size)

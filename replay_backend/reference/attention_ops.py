@@ -20,7 +20,7 @@ from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from ..passes.roles import declare_attention
 from ..step_metadata import to_device
-from . import attention_triton
+from . import attention_flashinfer, attention_triton
 from . import cache_triton
 
 # The attention kernel's per-view row blocks (attention_triton.row_blocks): built with
@@ -113,6 +113,8 @@ def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w:
 
 
 def _use_triton(impl: str, device: torch.device) -> bool:
+    """Whether the Triton kernels write the caches (and, for "auto" and "triton",
+    attend)."""
     if impl == "reference":
         return False
     if impl == "triton":
@@ -170,7 +172,9 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     # The floor of SPEC §3 binds replay layers only, in every step, trimmed or not.
     floored = layer > cfg.cut
     scale = q.shape[-1] ** -0.5
-    if use_triton:
+    if cfg.attention_impl == "flashinfer":
+        attention_flashinfer.attend(q, out, swa, glob, ratio, view, floored, sink)
+    elif use_triton:
         blocks = view.derived.get(ATTN_BLOCKS)
         if blocks is None:  # a view not built by build_step_batch
             blocks = view.derived[ATTN_BLOCKS] = to_device(attn_row_blocks(
@@ -181,6 +185,7 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
             longest = view.derived[LONGEST] = max(view.seq_lens)
         attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale,
                                 longest if cfg.attention_split else 0)
+    if use_triton or cfg.attention_impl == "flashinfer":
         if out.shape[0] > n:
             out[n:] = 0
         return

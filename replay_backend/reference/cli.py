@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -204,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace-dir", metavar="DIR", help="keep each profiled point's Chrome trace here (gzipped)")
     b.add_argument("--model-option", action="append", metavar="KEY=VALUE", default=[],
                    help="override a model config field, e.g. sinkhorn_impl=fused")
+    b.add_argument("--attention", type=lambda s: s.split(","), metavar="IMPL,...",
+                   help="run the whole bench once per attention implementation (e.g. triton,flashinfer), "
+                        "in this process; default: the model's own")
     b.add_argument("--compile-only", action="store_true",
                    help="only trace and build the replay mode, print the seconds (cold/warm compile)")
     b.set_defaults(fn=cmd_bench)
@@ -214,11 +218,14 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _write_report(args, report: dict) -> str:
-    """The table of ``report``, written to --out and the report to --json when given:
-    after every point, so a run an outer limit stops keeps what it measured."""
-    text = bench.render(report)
-    for path, body in ((args.json, lambda: json.dumps(report, indent=2)), (args.out, lambda: text + "\n")):
+def _write_report(args, reports: list[dict]) -> str:
+    """The tables of ``reports`` (one per attention implementation), written to --out
+    and the reports to --json when given (one report as itself, several as
+    ``{"reports": [...]}``): after every point, so a run an outer limit stops keeps
+    what it measured."""
+    text = "\n\n".join(bench.render(r) for r in reports)
+    raw = reports[0] if len(reports) == 1 else {"reports": reports}
+    for path, body in ((args.json, lambda: json.dumps(raw, indent=2)), (args.out, lambda: text + "\n")):
         if path:  # whole or not at all: a limit may stop the run while it writes
             with open(f"{path}.part", "w") as f:
                 f.write(body())
@@ -235,12 +242,23 @@ def cmd_bench(args) -> int:
     bad = sorted(set(args.settings) - {"default", "wide"})
     if bad:
         raise ValueError(f"unknown capture setting(s) {bad}; choose default and/or wide")
+    impls = args.attention or [None]
+    for impl in impls:  # a bad name fails here, before any model is built
+        if impl is not None:
+            preset(args.preset, attention_impl=impl)
     if args.compile_only:
         print(json.dumps(bench.compile_only(args)))
         return 0
-    report = bench.run_bench(args, checkpoint=lambda partial: _write_report(args, partial))
-    print(_write_report(args, report))
-    return 0 if all(not r["error"] and not r.get("drifted") for r in report["results"]) else 1
+    t0, done = time.perf_counter(), []
+    for impl in impls:
+        run = copy.copy(args)
+        if impl is not None:
+            run.model_option = [*args.model_option, f"attention_impl={impl}"]
+        run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
+        torch._dynamo.reset()  # each implementation traces its own model
+        done.append(bench.run_bench(run, checkpoint=lambda partial: _write_report(args, [*done, partial])))
+    print(_write_report(args, done))
+    return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

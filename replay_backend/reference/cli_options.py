@@ -26,3 +26,22 @@ def parse_options(items: list[str] | None, flag: str = "--option") -> dict:
         key, val = item.split("=", 1)
         opts[key.strip()] = parse_value(val.strip())
     return opts
+
+
+def model_config(name: str, items: list[str] | None):
+    """Preset ``name`` with ``--model-option`` overrides (``attention_impl=flashinfer``,
+    ``kv_source_layer_ids=2,8``)."""
+    from .config import preset
+
+    base = preset(name)
+    overrides = {}
+    for k, v in parse_options(items, "--model-option").items():
+        if isinstance(v, list):
+            v = tuple(v)
+        elif isinstance(getattr(base, k, None), tuple):  # one layer id parses as a number
+            v = (v,)
+        overrides[k] = v
+    try:
+        return preset(name, **overrides)
+    except TypeError as e:
+        raise ValueError(f"--model-option: {e}") from None

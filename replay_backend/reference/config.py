@@ -38,7 +38,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     seed: int = 0
     # "auto": the Triton kernel on CUDA when triton is importable, else the PyTorch
-    # reference; "reference" / "triton" force one (triton on CPU needs TRITON_INTERPRET=1).
+    # reference; "reference" / "triton" force one (triton on CPU needs TRITON_INTERPRET=1);
+    # "flashinfer": FlashInfer's prefill kernels (CUDA, 16-bit models, the ``gpu`` extra).
     attention_impl: str = "auto"
     # "auto": grouped GEMMs on CUDA when torch._grouped_mm exists, else dense.
     moe_impl: str = "auto"
@@ -75,8 +76,8 @@ class ModelConfig:
                     "shared_intermediate_size", "sinkhorn_iters"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key} must be positive, got {getattr(self, key)}")
-        if self.attention_impl not in ("auto", "reference", "triton"):
-            problems.append(f"attention_impl must be auto, reference or triton, got {self.attention_impl!r}")
+        if self.attention_impl not in ("auto", "reference", "triton", "flashinfer"):
+            problems.append(f"attention_impl must be auto, reference, triton or flashinfer, got {self.attention_impl!r}")
         if self.moe_impl not in ("auto", "dense", "grouped"):
             problems.append(f"moe_impl must be auto, dense or grouped, got {self.moe_impl!r}")
         if self.moe_permute_impl not in ("auto", "reference", "triton"):

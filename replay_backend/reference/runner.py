@@ -23,6 +23,7 @@ from ..kv_cache import CacheLayout
 from .kv_caches import KVCaches
 from . import attention_ops
 from . import attention_triton
+from .attention_flashinfer import FlashInferAttention, check_supported
 from .dsv41_mini import DSv41Mini
 from ..dispatch import direct
 from ..step_metadata import MetadataBuffer, metadata_capacity
@@ -84,7 +85,10 @@ def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, in
 class StepRunner:
     def __init__(self, model: DSv41Mini, *, max_num_seqs: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 16384, forward: Callable | None = None,
-                 backend=None) -> None:
+                 backend=None, attention_wrapper_factory: Callable | None = None) -> None:
+        """``attention_wrapper_factory``: for ``attention_impl="flashinfer"``, what makes
+        the FlashInfer wrappers (attention_flashinfer.FlashInferAttention; the CPU tests
+        pass an emulation), by default FlashInfer's own."""
         p = next(model.parameters())
         self.model = model
         self.cfg = model.cfg
@@ -92,6 +96,13 @@ class StepRunner:
         self.layout = CacheLayout(max_model_len, max_num_seqs)
         self.tokens = PromptTokens(self.cfg.vocab_size, max_model_len)
         self.kv = KVCaches(self.cfg, self.layout, self.device, self.dtype)
+        # FlashInfer plans each view on the host before attention reads it (prepare_view).
+        self.attention = None
+        if self.cfg.attention_impl == "flashinfer":
+            if attention_wrapper_factory is None:
+                check_supported(self.device, self.dtype)
+            self.attention = FlashInferAttention(self.cfg, self.kv.swa[0].shape[0], max_num_seqs, self.device,
+                                                 self.dtype, attention_wrapper_factory)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.forward = forward if forward is not None else model
         # With a ReplayBackend the runner compiles the model itself, so it can capture
@@ -175,7 +186,7 @@ class StepRunner:
             raise ValueError(f"the batch was built for cache layout {batch.layout} and window {batch.window}, "
                              f"this runner has {self.layout} and window {self.cfg.window}: build it with "
                              "this runner's build_batch")
-        ctx = ForwardContext(batch, self.kv, eager_replay=eager_replay, use_graphs=use_graphs)
+        ctx = self._context(batch, eager_replay=eager_replay, use_graphs=use_graphs)
         fwd = forward if forward is not None else self.forward
         ids, pos = batch.input_ids, batch.positions
         compiled = fwd is self.forward and self.backend is not None
@@ -274,9 +285,16 @@ class StepRunner:
         self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
         return self.backend.model
 
+    def _context(self, batch: StepBatch, **kw) -> ForwardContext:
+        """The forward context of a step of ``batch``, its whole batch planned."""
+        prepare = self.attention.prepare if self.attention is not None else None
+        if prepare is not None:
+            prepare(batch.view, None)
+        return ForwardContext(batch, self.kv, prepare_view=prepare, **kw)
+
     def _dummy_context(self):
         # Replay graphs run outside any model step, under a dummy context.
-        return set_forward_context(ForwardContext(self.dummy_batch(self.cfg.window), self.kv))
+        return set_forward_context(self._context(self.dummy_batch(self.cfg.window)))
 
     def estimate_graph_memory(self):
         """Graph memory :meth:`capture` would take (CUDA), measured without capturing."""

@@ -44,7 +44,7 @@ def _replay_begin(xs: list[torch.Tensor], window: int = 0) -> list[torch.Tensor]
         return [x.clone() for x in xs]
     ctx = get_forward_context()
     rep = ctx.batch.replay
-    ctx.active = rep.view  # restored by replay_end
+    ctx.point_at(rep.view)  # restored by replay_end
     return [x.index_select(0, rep.rows_t) for x in xs]
 
 

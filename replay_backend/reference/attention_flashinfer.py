@@ -1,0 +1,300 @@
+"""DSv4.1 attention through FlashInfer's paged prefill kernels (``attention_impl="flashinfer"``).
+
+SPEC §2's softmax runs over the union of two key sets, the layer's own SWA keys and the
+global entries of its source, plus a per-head sink. FlashInfer computes each key set as
+one attention state (output and log-sum-exp); :func:`merge` combines the two with the
+sink into the layer's output, which is the same softmax because a softmax over a union
+of disjoint sets is the log-sum-exp-weighted mix of the softmaxes over each set.
+
+Each key set is a batch of causal requests over a page table of page size 1, the
+table's entries being cache slots (a request's block is ``base + position``):
+
+* SWA: the keys ``[max(p0 - W + 1, floor), seq_len)`` with ``window_left = W - 1``; a
+  row whose keys all lie below the floor sees none (its state has no mass).
+* Global, ratio 1: entries ``[0, seq_len)``, plain causal.
+* Global, ratio r > 1: row p reads entries ``m < (p + 1) // r``, a slope FlashInfer's
+  causal mask cannot express. Rows of one residue class of p mod r read exactly one
+  more entry per row, so each class is its own causal request; the rows are permuted
+  into class order for the kernel and back after it.
+
+FlashInfer plans a batch on the host (``plan()``) and then runs it. Plans are made
+outside graphs: :meth:`FlashInferAttention.prepare` is the forward context's
+``prepare_view`` hook, which the runner calls for the whole batch before the model
+runs and the backend calls for the view the replay region runs on, before the region
+runs or its graph replays. A replay graph is captured with wrappers of its own size in
+FlashInfer's CUDA-graph mode (fixed buffers, a fixed request count), which each later
+plan refills.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention_merge import merge
+
+try:
+    import flashinfer
+except ImportError:  # pragma: no cover - the CPU machines have no FlashInfer
+    flashinfer = None
+
+# Where a view's plans wait for the attention ops (``AttnView.derived``).
+PLAN = "flashinfer_plan"
+# FlashInfer's float workspace (split-KV partial states), shared by one runner's
+# wrappers: they run one after another on one stream.
+WORKSPACE_BYTES = 128 << 20
+
+
+def available() -> bool:
+    return flashinfer is not None
+
+
+def check_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a ValueError naming what rules out ``attention_impl="flashinfer"`` here."""
+    if flashinfer is None:
+        raise ValueError("attention_impl='flashinfer' needs the flashinfer-python package: "
+                         "pip install 'dsv41-replay[gpu]' (docs/configuration.md)")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"attention_impl='flashinfer' runs on CUDA only, the model is on {device}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attention_impl='flashinfer' needs a bfloat16 or float16 model, got {dtype} "
+                         "(FlashInfer's prefill kernels have no fp32 variant)")
+
+
+def swa_part(view, window: int, floored: bool) -> list[tuple[int, int, int]]:
+    """Per request ``(qo_len, first slot, kv_len)`` of the SWA keys (see the module doc)."""
+    qsl = view.query_start_loc
+    out = []
+    for i, seq_len in enumerate(view.seq_lens):
+        n = qsl[i + 1] - qsl[i]
+        floor = view.kv_start[i] if floored else 0
+        lo = min(max(seq_len - n - window + 1, floor, 0), seq_len)
+        out.append((n, view.cache_base[i] + lo, seq_len - lo))
+    return out
+
+
+def global_part(view, ratio: int) -> tuple[list[tuple[int, int, int]], list[int] | None]:
+    """Per (sub-)request ``(qo_len, first slot, kv_len)`` of the global entries, and for
+    ratio > 1 the view's rows in the order of those sub-requests."""
+    qsl = view.query_start_loc
+    out, perm = [], ([] if ratio > 1 else None)
+    for i, seq_len in enumerate(view.seq_lens):
+        r0, r1 = qsl[i], qsl[i + 1]
+        gbase = view.cache_base[i] // ratio
+        if ratio == 1:
+            out.append((r1 - r0, gbase, seq_len))
+            continue
+        p0 = seq_len - (r1 - r0)
+        for c in range(min(ratio, r1 - r0)):
+            members = range(r0 + c, r1, ratio)
+            last = p0 + c + ratio * (len(members) - 1)
+            out.append((len(members), gbase, (last + 1) // ratio))
+            perm.extend(members)
+    return out, perm
+
+
+def padded(reqs: list, num_tokens: int, rows: int, batch: int) -> list:
+    """For a CUDA-graph plan: empty requests up to ``batch - 1``, then one request
+    without keys holding the rows from ``num_tokens`` to ``rows`` (the graph's pad rows),
+    so that every plan of the graph has its request count and row count."""
+    if len(reqs) + 1 > batch:
+        raise ValueError(f"a view of {len(reqs)} FlashInfer requests exceeds the graph plan's {batch - 1}")
+    if num_tokens > rows:
+        raise ValueError(f"a view of {num_tokens} rows exceeds the graph plan's {rows}")
+    return reqs + [(0, 0, 0)] * (batch - 1 - len(reqs)) + [(rows - num_tokens, 0, 0)]
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """One key set of one view as FlashInfer's batch (int32, as its kernels index):
+    ``small`` holds ``qo_indptr``, ``kv_indptr``, ``kv_lens`` and the last page's
+    length (page size 1: 1, or 0 for no keys) back to back, for ``batch`` requests;
+    ``kv_indices`` is the page table of cache slots; ``perm`` the rows in sub-request
+    order for a ratio-r global part (None: rows in view order)."""
+
+    batch: int
+    rows: int
+    small: list[int]
+    kv_indices: torch.Tensor
+    perm: list[int] | None
+
+
+def layout_of(reqs: list[tuple[int, int, int]], perm: list[int] | None = None) -> PartLayout:
+    qo, kv = [0], [0]
+    for q, _, k in reqs:
+        qo.append(qo[-1] + q)
+        kv.append(kv[-1] + k)
+    lens = [k for _, _, k in reqs]
+    pieces = [torch.arange(s, s + k, dtype=torch.int32) for _, s, k in reqs if k]
+    idx = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
+    return PartLayout(len(reqs), qo[-1], qo + kv + lens + [int(k > 0) for k in lens], idx, perm)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One part planned: the wrapper to run, the rows it covers (the view's, or a
+    graph's size) and their permutation on the device (None: view order)."""
+
+    wrapper: "_Wrapper"
+    rows: int
+    perm: torch.Tensor | None
+
+
+class _Wrapper:
+    """A FlashInfer prefill wrapper and the event after its last plan.
+
+    ``plan()`` writes the plan into the wrapper's pinned host buffer and queues its copy
+    to the device. Planning again before that copy ran would hand the earlier step the
+    later step's plan, so a plan first waits for the previous plan's copy: a wait for the
+    GPU to reach the start of the earlier step, not for it to finish."""
+
+    def __init__(self, inner, cuda: bool) -> None:
+        self.inner, self.cuda = inner, cuda
+        self.done = None
+
+    def plan(self, **kw) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+        self.inner.plan(**kw)
+        if self.cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def run(self, q, kv, out, lse) -> None:
+        self.inner.run(q, kv, out=out, lse=lse, return_lse=True)
+
+
+class FlashInferAttention:
+    """One runner's FlashInfer plans: wrappers for the whole batch, for a replay region
+    run without graphs, and per replay-graph size; :meth:`prepare` plans a view.
+
+    ``factory(workspace, graph_buffers)`` makes a wrapper (``graph_buffers``: None, or
+    the CUDA-graph buffers by FlashInfer's argument names); the default makes
+    FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper``. The CPU tests pass an
+    emulation of it."""
+
+    def __init__(self, cfg, num_slots: int, max_num_seqs: int, device, dtype, factory=None) -> None:
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.cuda = self.device.type == "cuda"
+        self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
+        self.factory = factory or _flashinfer_wrapper
+        self.workspace = torch.zeros(WORKSPACE_BYTES if self.cuda else 1, dtype=torch.uint8, device=device)
+        ratios = {cfg.compress_ratio(s) for s in map(cfg.global_source, range(cfg.num_layers)) if s is not None}
+        replay = cfg.replay_layers
+        src = cfg.global_source(replay[0]) if len(replay) else None
+        # What the layers read: every part on the whole batch, the replay layers' on a replay view.
+        self.parts = {"main": [("swa", False), ("swa", True), *(("global", r) for r in sorted(ratios))],
+                      "replay": [("swa", True), *((("global", cfg.compress_ratio(src)),) if src is not None else ())]}
+        if src is not None and cfg.compress_ratio(src) != 1:
+            raise ValueError("attention_impl='flashinfer' needs the replay layers' source at ratio 1: "
+                             "a ratio-r part permutes its rows, which a replay graph cannot do per step")
+        self._wrappers: dict[tuple, _Wrapper] = {}
+
+    # ---- planning: on the host, outside graphs ----------------------------------------
+    def prepare(self, view, size: int | None) -> None:
+        """Plan ``view`` for the layers about to read it: ``size`` is the replay graph's
+        size when they run in one, else None. A view planned without a graph (the whole
+        batch, planned for every part) is not planned again."""
+        if size is None and PLAN in view.derived:
+            return
+        if size is not None:
+            slot, parts = size, self.parts["replay"]
+            batch = max(self.max_num_seqs, -(-size // self.cfg.window)) + 1  # capture's dummy views too
+        else:
+            slot = "main" if view.comp_slot_mapping is not None else "replay"
+            parts, batch = self.parts[slot], None
+        layouts = {}
+        for part in parts:
+            kind, arg = part
+            reqs, perm = (swa_part(view, self.cfg.window, arg), None) if kind == "swa" else global_part(view, arg)
+            if size is not None:
+                reqs = padded(reqs, view.num_tokens, size, batch)
+            layouts[part] = layout_of(reqs, perm)
+        view.derived[PLAN] = self._plan(slot, layouts, size)
+
+    def _plan(self, slot, layouts: dict, size: int | None) -> dict:
+        # One host tensor for every part's arrays, pinned, so that the plans' copies do
+        # not wait for the stream; the page tables and permutations reach the device in
+        # one copy of it.
+        small = [x for lay in layouts.values() for x in lay.small]
+        perms = [x for lay in layouts.values() if lay.perm is not None for x in lay.perm]
+        host = torch.cat([torch.tensor(small, dtype=torch.int32), *(lay.kv_indices for lay in layouts.values()),
+                          torch.tensor(perms, dtype=torch.int32)])
+        if self.cuda:
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        planned, at = {}, 0
+        tables = len(small)
+        perm_at = tables + sum(lay.kv_indices.numel() for lay in layouts.values())
+        for part, lay in layouts.items():
+            b = lay.batch
+            qo, kv, lens, last = (host[at + o:at + o + n] for o, n in ((0, b + 1), (b + 1, b + 1), (2 * b + 2, b),
+                                                                       (3 * b + 2, b)))
+            at += 4 * b + 2
+            k = lay.kv_indices.numel()
+            wrapper = self._wrapper(slot, part, size, b)
+            kind, arg = part
+            wrapper.plan(qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
+                         paged_kv_last_page_len=last, seq_lens=lens, num_qo_heads=self.cfg.num_heads,
+                         num_kv_heads=1, head_dim_qk=self.cfg.head_dim, page_size=1, causal=True,
+                         window_left=self.cfg.window - 1 if kind == "swa" else -1,
+                         sm_scale=self.cfg.head_dim ** -0.5, q_data_type=self.dtype, kv_data_type=self.dtype)
+            tables += k
+            perm = None
+            if lay.perm is not None:
+                perm = dev[perm_at:perm_at + len(lay.perm)].long()
+                perm_at += len(lay.perm)
+            planned[part] = Planned(wrapper, lay.rows, perm)
+        return planned
+
+    def _wrapper(self, slot, part, size: int | None, batch: int) -> _Wrapper:
+        w = self._wrappers.get((slot, part))
+        if w is None:
+            buffers = None
+            if size is not None:  # CUDA-graph mode: fixed addresses, refilled by each plan
+                i32 = dict(dtype=torch.int32, device=self.device)
+                buffers = {"qo_indptr_buf": torch.zeros(batch + 1, **i32),
+                           "paged_kv_indptr_buf": torch.zeros(batch + 1, **i32),
+                           "paged_kv_indices_buf": torch.zeros(self.num_slots, **i32),
+                           "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
+            w = self._wrappers[(slot, part)] = _Wrapper(self.factory(self.workspace, buffers), self.cuda)
+        return w
+
+
+def _flashinfer_wrapper(workspace: torch.Tensor, graph_buffers: dict | None):
+    # fa2: FlashInfer's kernels with CUDA-graph plans, sliding windows and page size 1.
+    if graph_buffers is None:
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True, backend="fa2",
+                                                          **graph_buffers)
+
+
+# ---- running (inside the attention op, and inside graphs) ----------------------------
+def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | None, ratio: int,
+           view, floored: bool, sink: torch.Tensor) -> None:
+    """Write attention for the planned rows of ``q`` into ``out`` (both [rows, heads,
+    D]): the SWA state and the global state, merged with the sink."""
+    plans = view.derived.get(PLAN)
+    if plans is None:
+        raise RuntimeError("attention_impl='flashinfer' but this view was not planned: the runner's "
+                           "ForwardContext must carry prepare_view=FlashInferAttention.prepare")
+    first = plans[("swa", floored)]
+    qn = q[:first.rows]
+    o_swa, lse_swa = _run(first, qn, swa)
+    o_glob = lse_glob = None
+    if glob is not None:
+        o_glob, lse_glob = _run(plans[("global", ratio)], qn, glob)
+    merge(out[:first.rows], o_swa, lse_swa, o_glob, lse_glob, sink)
+
+
+def _run(planned: Planned, q: torch.Tensor, cache: torch.Tensor):
+    """One part's state: output [rows, heads, D] and base-2 log-sum-exp [rows, heads]."""
+    kv = cache.view(cache.shape[0], 1, 1, cache.shape[1])  # page size 1, one KV head, NHD
+    perm = planned.perm
+    qp = q if perm is None else q.index_select(0, perm)
+    o = torch.empty_like(qp)
+    lse = torch.empty(qp.shape[:2], dtype=torch.float32, device=q.device)
+    planned.wrapper.run(qp, (kv, kv), o, lse)
+    if perm is None:
+        return o, lse
+    return torch.empty_like(o).index_copy_(0, perm, o), torch.empty_like(lse).index_copy_(0, perm, lse)

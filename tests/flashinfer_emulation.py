@@ -1,0 +1,69 @@
+"""FlashInfer's paged prefill wrapper emulated in PyTorch, for the CPU tests.
+
+Written from FlashInfer's documented semantics, not from this project's attention:
+request i's query rows are ``qo_indptr[i]:qo_indptr[i+1]`` and its keys the pages
+``kv_indices[kv_indptr[i]:kv_indptr[i+1]]`` (page size 1: one slot each). With
+``causal``, row r of a request of ``L`` rows and ``K`` keys sees key j when
+``j <= r + K - L``, and with ``window_left >= 0`` only when also
+``j >= r + K - L - window_left``. The key tensor is the value tensor (one latent). The
+log-sum-exp is base 2; a row that sees no key gets output 0 and lse -inf. As the real
+wrapper does, ``run`` refuses a query whose row count is not the plan's, and a
+CUDA-graph wrapper refuses a plan whose request count differs from its buffers'.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class EmulatedPrefillWrapper:
+    def __init__(self, workspace: torch.Tensor, graph_buffers: dict | None) -> None:
+        self.graph_batch = None if graph_buffers is None else graph_buffers["qo_indptr_buf"].numel() - 1
+        self.plans = 0
+        self.plan_rows: list[int] = []
+
+    def plan(self, *, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, seq_lens,
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, window_left, sm_scale,
+             q_data_type, kv_data_type) -> None:
+        assert page_size == 1 and num_kv_heads == 1 and causal
+        batch = qo_indptr.numel() - 1
+        if self.graph_batch is not None and batch != self.graph_batch:
+            raise ValueError(f"graph-mode wrapper planned with batch {batch}, built for {self.graph_batch}")
+        lens = paged_kv_indptr[1:] - paged_kv_indptr[:-1]
+        assert torch.equal(lens, seq_lens) and torch.equal(paged_kv_last_page_len, (lens > 0).int())
+        self.qo = qo_indptr.tolist()
+        self.kv = paged_kv_indptr.tolist()
+        self.indices = paged_kv_indices.clone()
+        self.window_left, self.scale = window_left, sm_scale
+        self.plans += 1
+        self.plan_rows.append(self.qo[-1])
+
+    def run(self, q, kv, *, out, lse, return_lse) -> None:
+        k = kv[0].reshape(kv[0].shape[0], -1)
+        assert kv[0] is kv[1] and return_lse
+        if q.shape[0] != self.qo[-1]:
+            raise ValueError(f"q has {q.shape[0]} rows, the plan {self.qo[-1]}")
+        out.zero_()
+        lse.fill_(-math.inf)
+        for i in range(len(self.qo) - 1):
+            r0, r1, n = self.qo[i], self.qo[i + 1], self.qo[i + 1] - self.qo[i]
+            keys = k[self.indices[self.kv[i]:self.kv[i + 1]].long()].float()
+            if n == 0 or keys.shape[0] == 0:
+                continue
+            r = torch.arange(n)[:, None]
+            j = torch.arange(keys.shape[0])[None, :]
+            shift = keys.shape[0] - n
+            seen = j <= r + shift
+            if self.window_left >= 0:
+                seen &= j >= r + shift - self.window_left
+            s = torch.einsum("qhd,kd->hqk", q[r0:r1].float(), keys) * self.scale
+            s = s.masked_fill(~seen[None], -math.inf)
+            total = torch.logsumexp(s, dim=-1)  # [heads, rows]
+            p = torch.exp(s - total[..., None]).nan_to_num(0.0)
+            out[r0:r1] = torch.einsum("hqk,kd->qhd", p, keys).to(out.dtype)
+            lse[r0:r1] = (total / math.log(2.0)).transpose(0, 1)
+
+
+def factory(workspace: torch.Tensor, graph_buffers: dict | None) -> EmulatedPrefillWrapper:
+    return EmulatedPrefillWrapper(workspace, graph_buffers)

@@ -1,0 +1,131 @@
+"""attention_impl="flashinfer" on the CPU: FlashInfer's wrapper emulated from its
+documented semantics (flashinfer_emulation.py), the rest of the path real: the key
+sets each view is split into, the plans made before attention reads a view (the whole
+batch, a replay view, a replay graph's fixed-size plan), and the merge with the sink,
+all against the PyTorch reference attention. The GPU tests run FlashInfer itself."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import flashinfer_emulation
+import flashinfer_merge_cases
+from conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, check_interpreted, needs_triton, small_config
+from replay_backend import RequestChunk, StepRunner, build_model
+from replay_backend.backend import ReplayBackend
+from replay_backend.reference import attention_flashinfer as fi
+from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
+
+# Floors (kv_start) below, inside and above a chunk's rows, prompts starting at
+# position 0 (a ratio-2 row that reads no global entry), decodes, keep-all prefills.
+COMPOSITIONS = [
+    [RequestChunk("a", 40, 40), RequestChunk("b", 1, 30), RequestChunk("c", 7, 25)],
+    [RequestChunk("a", 50, 90, kv_start=70), RequestChunk("b", 3, 33)],
+    [RequestChunk("a", 33, 33, keep_all=True), RequestChunk("b", 20, 61, kv_start=50)],
+    [RequestChunk("a", 64, 64)],
+    [RequestChunk("a", 2, 17), RequestChunk("b", 1, 2), RequestChunk("c", 45, 100)],
+]
+
+
+def test_key_sets_per_request():
+    """Hand-counted: W = 4. Request 0 holds positions 5..8 (rows 0..3) with floor 7,
+    base 100; request 1 positions 0..2 (rows 4..6), base 200."""
+    view = SimpleNamespace(query_start_loc=(0, 4, 7), seq_lens=(9, 3), kv_start=(7, 0), cache_base=(100, 200),
+                           num_tokens=7)
+    assert fi.swa_part(view, 4, floored=False) == [(4, 102, 7), (3, 200, 3)]  # from 5 - 3
+    assert fi.swa_part(view, 4, floored=True) == [(4, 107, 2), (3, 200, 3)]   # from the floor
+    assert fi.global_part(view, 1) == ([(4, 100, 9), (3, 200, 3)], None)
+    # ratio 2: positions 5, 7 read 3, 4 entries; 6, 8 read 3, 4; 0, 2 read 0, 1; 1 reads 1
+    reqs, perm = fi.global_part(view, 2)
+    assert reqs == [(2, 50, 4), (2, 50, 4), (2, 100, 1), (1, 100, 1)]
+    assert perm == [0, 2, 1, 3, 4, 6, 5]
+    # a graph plan: empty requests up to its fixed count, then the pad rows' request
+    assert fi.padded(reqs, 7, 10, 6) == reqs + [(0, 0, 0), (3, 0, 0)]
+    with pytest.raises(ValueError, match="4 FlashInfer requests exceeds the graph plan's 3"):
+        fi.padded(reqs, 7, 10, 4)
+    lay = fi.layout_of(fi.swa_part(view, 4, floored=True))
+    assert lay.small == [0, 4, 7, 0, 2, 5, 2, 3, 1, 1] and lay.kv_indices.tolist() == [107, 108, 200, 201, 202]
+
+
+@pytest.mark.parametrize("with_kernel", [False, pytest.param(True, marks=needs_triton)])
+def test_merge_is_one_softmax_over_both_key_sets_and_the_sink(with_kernel):
+    if with_kernel:
+        check_interpreted("flashinfer_merge_cases", "check_merge")
+    else:
+        flashinfer_merge_cases.check_merge("cpu", kernel=False)
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = small_config()
+    torch.manual_seed(0)
+    ref = build_model(cfg.replace(attention_impl="reference"))
+    fim = build_model(cfg.replace(attention_impl="flashinfer"))
+    fim.load_state_dict(ref.state_dict())
+    return ref, fim
+
+
+def _runner(model, **kw):
+    return StepRunner(model, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+                      attention_wrapper_factory=flashinfer_emulation.factory if model.cfg.attention_impl == "flashinfer"
+                      else None, **kw)
+
+
+def _agree(runner, oracle, reqs, i):
+    reqs = [RequestChunk(f"{r.req_id}{i}", r.query_len, r.seq_len, keep_all=r.keep_all, kv_start=r.kv_start)
+            for r in reqs]
+    for r in (runner, oracle):
+        r.prefill_context(reqs, forward=r.model)
+    got, want = runner.step(reqs), oracle.step(reqs)
+    assert max_abs_err(got.logits, want.logits) < 1e-4, reqs
+    assert max_abs_err_kv(runner.kv, oracle.kv, got.batch) < 1e-4, reqs
+    for r in (runner, oracle):
+        for q in reqs:
+            r.free(q.req_id)
+    return got
+
+
+def test_eager_model_matches_the_reference(models):
+    ref, fim = models
+    runner, oracle = _runner(fim), _runner(ref)
+    for i, reqs in enumerate(COMPOSITIONS):
+        _agree(runner, oracle, reqs, i)
+    planned = runner.attention._wrappers
+    assert {slot for slot, _ in planned} == {"main"}  # the uncompiled model reads the whole batch
+
+
+def test_compiled_model_plans_each_view_before_it_is_read(models):
+    """Served steps through captured (emulated) graphs: trimmed steps plan the replay
+    view into the replay graph's wrappers before it replays, always at the graph's
+    request and row count; steps without a replay graph plan a wrapper of their own."""
+    ref, fim = models
+    backend = ReplayBackend(compiler="eager", max_num_seqs=MAX_NUM_SEQS, max_cudagraph_capture_size=64,
+                            decoder_replay_trim_threshold=48, strict=True)
+    runner, oracle = _runner(fim, backend=backend), _runner(ref)
+    runner.capture()
+    graph_plans = {k: w.inner.plans for k, w in runner.attention._wrappers.items() if isinstance(k[0], int)}
+    assert graph_plans, "capture planned no replay graph"
+    kinds = set()
+    more = [[RequestChunk("a", 100, 100)], [RequestChunk("a", 90, 120, kv_start=100), RequestChunk("b", 1, 9)],
+            [RequestChunk("a", 20, 20), RequestChunk("b", 1, 30)]]
+    for i, reqs in enumerate(COMPOSITIONS + more + COMPOSITIONS):
+        out = _agree(runner, oracle, reqs, i)
+        kinds.add((out.step.kind if out.step else "eager", out.trim.trimmed, out.trim.graph))
+    # trimmed into a replay graph, graphed but untrimmed (the region's graph on the
+    # whole batch), eager and trimmed into a replay graph
+    assert {("piecewise", True, True), ("piecewise", False, True), ("eager", True, True)} <= kinds, kinds
+    wrappers = runner.attention._wrappers
+    assert any(wrappers[k].inner.plans > n for k, n in graph_plans.items())  # planned again while serving
+    for (slot, _), w in wrappers.items():
+        if isinstance(slot, int):
+            assert set(w.inner.plan_rows) == {slot}, (slot, w.inner.plan_rows)
+
+
+def test_flashinfer_needs_its_package_cuda_and_a_16_bit_model(models):
+    _, fim = models
+    with pytest.raises(ValueError, match="attention_impl='flashinfer'"):
+        StepRunner(fim, max_model_len=64)
