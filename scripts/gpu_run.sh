@@ -4,6 +4,8 @@
 # short by its limit still leaves what it printed).
 #
 # usage: bash scripts/gpu_run.sh OUTDIR STEP...
+#   wheels                      install .whl/*.whl (carried wheels, e.g. flashinfer-python and
+#                               apache-tvm-ffi) into /tmp/site, on PYTHONPATH for the later steps
 #   tests:SECONDS               python3 -m pytest tests/test_gpu.py
 #   soak:SECONDS:ARGS           python3 scripts/soak.py ARGS (give it --max-seconds below SECONDS)
 #   bench:SECONDS:ARGS          replay-backend bench ARGS (give it --max-seconds below SECONDS)
@@ -23,11 +25,18 @@ for step in "$@"; do
     IFS=: read -r kind limit args <<< "$step"
     # shellcheck disable=SC2206  # ARGS are meant to split on spaces
     argv=($args)
+    if [ "$kind" = wheels ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl > "$out/wheels.log" 2>&1 || { cat "$out/wheels.log"; exit 1; }
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+        echo "== wheels: $(cd .whl && echo *.whl)"
+        continue
+    fi
     case "$kind" in
         tests) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider tests/test_gpu.py "${argv[@]}") ;;
         soak) cmd=(python3 scripts/soak.py --json "$out/soak$n.json" "${argv[@]}") ;;
         bench) cmd=(replay-backend bench --json "$out/bench$n.json" --out "$out/bench$n.md" "${argv[@]}") ;;
-        *) echo "gpu_run.sh: unknown step '$kind' (tests, soak, bench)" >&2; exit 2 ;;
+        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, soak, bench)" >&2; exit 2 ;;
     esac
     log="$out/$kind$n.log"
     echo "== $kind (limit ${limit}s): ${cmd[*]}"

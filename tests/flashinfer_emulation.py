@@ -6,9 +6,12 @@ request i's query rows are ``qo_indptr[i]:qo_indptr[i+1]`` and its keys the page
 ``causal``, row r of a request of ``L`` rows and ``K`` keys sees key j when
 ``j <= r + K - L``, and with ``window_left >= 0`` only when also
 ``j >= r + K - L - window_left``. The key tensor is the value tensor (one latent). The
-log-sum-exp is base 2; a row that sees no key gets output 0 and lse -inf. As the real
-wrapper does, ``run`` refuses a query whose row count is not the plan's, and a
-CUDA-graph wrapper refuses a plan whose request count differs from its buffers'.
+log-sum-exp is base 2; a row that sees no key gets output 0 and lse -inf (FlashInfer's
+own is a large negative number: either weighs nothing). As the real wrapper does,
+``run`` refuses a query whose row count is not the plan's, and a CUDA-graph wrapper
+refuses a plan whose request count differs from its buffers'. A causal request with
+keys but fewer keys than rows is refused at ``plan``: FlashInfer's kernels mask such a
+request wrongly (they compute the mask's start from ``K - L`` unsigned).
 """
 from __future__ import annotations
 
@@ -18,20 +21,26 @@ import torch
 
 
 class EmulatedPrefillWrapper:
-    def __init__(self, workspace: torch.Tensor, graph_buffers: dict | None) -> None:
+    def __init__(self, graph_buffers: dict | None) -> None:
         self.graph_batch = None if graph_buffers is None else graph_buffers["qo_indptr_buf"].numel() - 1
         self.plans = 0
         self.plan_rows: list[int] = []
 
     def plan(self, *, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, seq_lens,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, window_left, sm_scale,
-             q_data_type, kv_data_type) -> None:
+             q_data_type, kv_data_type, disable_split_kv) -> None:
         assert page_size == 1 and num_kv_heads == 1 and causal
         batch = qo_indptr.numel() - 1
         if self.graph_batch is not None and batch != self.graph_batch:
             raise ValueError(f"graph-mode wrapper planned with batch {batch}, built for {self.graph_batch}")
         lens = paged_kv_indptr[1:] - paged_kv_indptr[:-1]
         assert torch.equal(lens, seq_lens) and torch.equal(paged_kv_last_page_len, (lens > 0).int())
+        rows = qo_indptr[1:] - qo_indptr[:-1]
+        short = ((lens > 0) & (lens < rows)).nonzero().flatten().tolist()
+        if short:
+            raise ValueError(f"requests {short}: fewer keys than query rows ({lens[short].tolist()} < "
+                             f"{rows[short].tolist()}), which FlashInfer's causal mask gets wrong")
+        self.split = not disable_split_kv
         self.qo = qo_indptr.tolist()
         self.kv = paged_kv_indptr.tolist()
         self.indices = paged_kv_indices.clone()
@@ -65,5 +74,5 @@ class EmulatedPrefillWrapper:
             lse[r0:r1] = (total / math.log(2.0)).transpose(0, 1)
 
 
-def factory(workspace: torch.Tensor, graph_buffers: dict | None) -> EmulatedPrefillWrapper:
-    return EmulatedPrefillWrapper(workspace, graph_buffers)
+def factory(graph_buffers: dict | None) -> EmulatedPrefillWrapper:
+    return EmulatedPrefillWrapper(graph_buffers)

@@ -33,22 +33,25 @@ COMPOSITIONS = [
 
 def test_key_sets_per_request():
     """Hand-counted: W = 4. Request 0 holds positions 5..8 (rows 0..3) with floor 7,
-    base 100; request 1 positions 0..2 (rows 4..6), base 200."""
+    base 100; request 1 positions 0..2 (rows 4..6), base 200. Rows that see no key
+    are a request of their own (FlashInfer's mask needs as many keys as rows)."""
     view = SimpleNamespace(query_start_loc=(0, 4, 7), seq_lens=(9, 3), kv_start=(7, 0), cache_base=(100, 200),
                            num_tokens=7)
     assert fi.swa_part(view, 4, floored=False) == [(4, 102, 7), (3, 200, 3)]  # from 5 - 3
-    assert fi.swa_part(view, 4, floored=True) == [(4, 107, 2), (3, 200, 3)]   # from the floor
+    # from the floor: positions 5 and 6 see nothing, 7 and 8 see 7..8
+    assert fi.swa_part(view, 4, floored=True) == [(2, 0, 0), (2, 107, 2), (3, 200, 3)]
     assert fi.global_part(view, 1) == ([(4, 100, 9), (3, 200, 3)], None)
-    # ratio 2: positions 5, 7 read 3, 4 entries; 6, 8 read 3, 4; 0, 2 read 0, 1; 1 reads 1
+    # ratio 2: positions 5, 7 read 3, 4 entries; 6, 8 read 3, 4; 0 reads none, 2 reads 1; 1 reads 1
     reqs, perm = fi.global_part(view, 2)
-    assert reqs == [(2, 50, 4), (2, 50, 4), (2, 100, 1), (1, 100, 1)]
+    assert reqs == [(2, 50, 4), (2, 50, 4), (1, 0, 0), (1, 100, 1), (1, 100, 1)]
     assert perm == [0, 2, 1, 3, 4, 6, 5]
     # a graph plan: empty requests up to its fixed count, then the pad rows' request
-    assert fi.padded(reqs, 7, 10, 6) == reqs + [(0, 0, 0), (3, 0, 0)]
-    with pytest.raises(ValueError, match="4 FlashInfer requests exceeds the graph plan's 3"):
-        fi.padded(reqs, 7, 10, 4)
+    assert fi.padded(reqs, 7, 10, 7) == reqs + [(0, 0, 0), (3, 0, 0)]
+    with pytest.raises(ValueError, match="5 FlashInfer requests exceeds the graph plan's 4"):
+        fi.padded(reqs, 7, 10, 5)
     lay = fi.layout_of(fi.swa_part(view, 4, floored=True))
-    assert lay.small == [0, 4, 7, 0, 2, 5, 2, 3, 1, 1] and lay.kv_indices.tolist() == [107, 108, 200, 201, 202]
+    assert lay.small == [0, 2, 4, 7, 0, 0, 2, 5, 0, 2, 3, 0, 1, 1]
+    assert lay.kv_indices.tolist() == [107, 108, 200, 201, 202]
 
 
 @pytest.mark.parametrize("with_kernel", [False, pytest.param(True, marks=needs_triton)])
@@ -129,3 +132,17 @@ def test_flashinfer_needs_its_package_cuda_and_a_16_bit_model(models):
     _, fim = models
     with pytest.raises(ValueError, match="attention_impl='flashinfer'"):
         StepRunner(fim, max_model_len=64)
+
+
+def test_a_batch_run_again_after_another_is_planned_again(models):
+    """Batches A and B built, run A, B, then A again: A's plans live in wrappers that B's
+    planning took over, so A is planned again instead of running on B's plan."""
+    ref, fim = models
+    runner, oracle = _runner(fim), _runner(ref)
+    a = [RequestChunk("a", 40, 40), RequestChunk("b", 7, 7)]
+    b = [RequestChunk("c", 20, 20)]
+    batch_a, batch_b = runner.build_batch(a), runner.build_batch(b)
+    runner.run(batch_a), runner.run(batch_b)
+    got = runner.run(batch_a)
+    want = oracle.step(a)
+    assert max_abs_err(got.logits, want.logits) < 1e-4

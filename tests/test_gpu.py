@@ -354,11 +354,14 @@ def test_serving_soak_at_the_real_window_has_no_mismatch():
 
 # ---- attention_impl="flashinfer" (skipped where FlashInfer is not installed) ---------
 needs_flashinfer = pytest.mark.skipif(not attention_flashinfer.available(), reason="FlashInfer is not installed")
-# Floors below, inside and above a chunk's rows, prompts from position 0.
+# Floors below, inside and above a chunk's rows, prompts from position 0; the last two
+# with 100+ rows that see no key or only a few (beyond one of FlashInfer's key tiles).
 FLOORED = [
     [RequestChunk("a", 50, 90, kv_start=70), RequestChunk("b", 3, 33)],
     [RequestChunk("a", 33, 33, keep_all=True), RequestChunk("b", 20, 61, kv_start=50)],
     [RequestChunk("a", 70, 200, kv_start=150), RequestChunk("b", 1, 2)],
+    [RequestChunk("a", 300, 300)],
+    [RequestChunk("a", 200, 400, kv_start=300), RequestChunk("b", 2, 130)],
 ]
 
 

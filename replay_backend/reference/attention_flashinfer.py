@@ -38,11 +38,10 @@ try:
 except ImportError:  # pragma: no cover - the CPU machines have no FlashInfer
     flashinfer = None
 
-# Where a view's plans wait for the attention ops (``AttnView.derived``).
+# Where a view's plans wait for the attention ops (``AttnView.derived``): the plans the
+# layers about to run read, and every plan made for the view, by slot.
 PLAN = "flashinfer_plan"
-# FlashInfer's float workspace (split-KV partial states), shared by one runner's
-# wrappers: they run one after another on one stream.
-WORKSPACE_BYTES = 128 << 20
+PLANS = "flashinfer_plans"
 
 
 def available() -> bool:
@@ -61,15 +60,30 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
                          "(FlashInfer's prefill kernels have no fp32 variant)")
 
 
+# FlashInfer's causal mask is only right for a request with at least as many keys as
+# query rows (its kernels compute the mask's first iteration from ``kv_len - qo_len``
+# unsigned), or with none. A request's leading rows that see no key (rows below the
+# replay floor; in a ratio-r global cache a row whose position completes no entry yet)
+# are therefore a request of their own, without keys, and the rest see as many keys
+# as they have rows, or more.
+def _split_blind(out: list, blind: int, rows: int, first: int, keys: int) -> None:
+    if blind:
+        out.append((blind, 0, 0))
+    if rows > blind:
+        out.append((rows - blind, first, keys))
+
+
 def swa_part(view, window: int, floored: bool) -> list[tuple[int, int, int]]:
-    """Per request ``(qo_len, first slot, kv_len)`` of the SWA keys (see the module doc)."""
+    """Per (sub-)request ``(qo_len, first slot, kv_len)`` of the SWA keys (see the
+    module doc)."""
     qsl = view.query_start_loc
-    out = []
+    out: list[tuple[int, int, int]] = []
     for i, seq_len in enumerate(view.seq_lens):
         n = qsl[i + 1] - qsl[i]
+        p0 = seq_len - n
         floor = view.kv_start[i] if floored else 0
-        lo = min(max(seq_len - n - window + 1, floor, 0), seq_len)
-        out.append((n, view.cache_base[i] + lo, seq_len - lo))
+        lo = min(max(p0 - window + 1, floor, 0), seq_len)
+        _split_blind(out, min(max(lo - p0, 0), n), n, view.cache_base[i] + lo, seq_len - lo)
     return out
 
 
@@ -77,7 +91,8 @@ def global_part(view, ratio: int) -> tuple[list[tuple[int, int, int]], list[int]
     """Per (sub-)request ``(qo_len, first slot, kv_len)`` of the global entries, and for
     ratio > 1 the view's rows in the order of those sub-requests."""
     qsl = view.query_start_loc
-    out, perm = [], ([] if ratio > 1 else None)
+    out: list[tuple[int, int, int]] = []
+    perm = [] if ratio > 1 else None
     for i, seq_len in enumerate(view.seq_lens):
         r0, r1 = qsl[i], qsl[i + 1]
         gbase = view.cache_base[i] // ratio
@@ -88,7 +103,8 @@ def global_part(view, ratio: int) -> tuple[list[tuple[int, int, int]], list[int]
         for c in range(min(ratio, r1 - r0)):
             members = range(r0 + c, r1, ratio)
             last = p0 + c + ratio * (len(members) - 1)
-            out.append((len(members), gbase, (last + 1) // ratio))
+            # one more entry per row of the class: only its first row can see none
+            _split_blind(out, int((p0 + c + 1) // ratio == 0), len(members), gbase, (last + 1) // ratio)
             perm.extend(members)
     return out, perm
 
@@ -141,21 +157,23 @@ class Planned:
 
 
 class _Wrapper:
-    """A FlashInfer prefill wrapper and the event after its last plan.
+    """A FlashInfer prefill wrapper, the plan it holds now, and the event after that
+    plan.
 
     ``plan()`` writes the plan into the wrapper's pinned host buffer and queues its copy
     to the device. Planning again before that copy ran would hand the earlier step the
     later step's plan, so a plan first waits for the previous plan's copy: a wait for the
     GPU to reach the start of the earlier step, not for it to finish."""
 
-    def __init__(self, inner, cuda: bool) -> None:
-        self.inner, self.cuda = inner, cuda
+    def __init__(self, inner, cuda: bool, split: bool) -> None:
+        self.inner, self.cuda, self.split = inner, cuda, split
         self.done = None
+        self.holds: Planned | None = None
 
     def plan(self, **kw) -> None:
         if self.done is not None:
             self.done.synchronize()
-        self.inner.plan(**kw)
+        self.inner.plan(disable_split_kv=not self.split, **kw)
         if self.cuda:
             self.done = torch.cuda.Event()
             self.done.record()
@@ -164,22 +182,43 @@ class _Wrapper:
         self.inner.run(q, kv, out=out, lse=lse, return_lse=True)
 
 
+def _programs(device: torch.device) -> int:
+    """FlashInfer's work items before it splits no further (two per SM, one KV head)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return 2 * sms
+
+
 class FlashInferAttention:
     """One runner's FlashInfer plans: wrappers for the whole batch, for a replay region
     run without graphs, and per replay-graph size; :meth:`prepare` plans a view.
 
-    ``factory(workspace, graph_buffers)`` makes a wrapper (``graph_buffers``: None, or
-    the CUDA-graph buffers by FlashInfer's argument names); the default makes
-    FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper``. The CPU tests pass an
-    emulation of it."""
+    ``max_rows`` bounds the rows of a view planned without a graph (the runner's token
+    budget), ``max_request_rows`` the rows of one request of capture's dummy views.
+    ``factory(graph_buffers)`` makes a wrapper (``graph_buffers``: None, or the
+    CUDA-graph buffers by FlashInfer's argument names); the default makes FlashInfer's
+    ``BatchPrefillWithPagedKVCacheWrapper`` on this object's workspaces. The CPU tests
+    pass an emulation of it."""
 
-    def __init__(self, cfg, num_slots: int, max_num_seqs: int, device, dtype, factory=None) -> None:
+    def __init__(self, cfg, num_slots: int, max_num_seqs: int, max_rows: int, max_request_rows: int, device,
+                 dtype, factory=None) -> None:
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
-        self.factory = factory or _flashinfer_wrapper
-        self.workspace = torch.zeros(WORKSPACE_BYTES if self.cuda else 1, dtype=torch.uint8, device=device)
+        self.max_request_rows = max(1, min(cfg.window, max_request_rows))
+        self.programs = _programs(self.device)
         ratios = {cfg.compress_ratio(s) for s in map(cfg.global_source, range(cfg.num_layers)) if s is not None}
+        heads, d = cfg.num_heads, cfg.head_dim
+        # A plan splits its keys (scratch in the float workspace) only into at most
+        # ``programs`` work items of at most 128 rows, FlashInfer's scratch being per query
+        # head: the largest scratch any plan takes. Graph plans keep that bound by
+        # splitting only where they have fewer items (_graph_splits).
+        self.float_bytes = heads * self.programs * 128 * (d + 1) * 4 + (1 << 20)
+        # Work items (three int32 arrays), per-request and per-row arrays, alignment.
+        batch = self.graph_batch(max_rows) * max(ratios | {1})
+        items = self.programs + -(-max_rows * heads // 16) + batch
+        self.int_bytes = 16 * (items + max_rows + batch) + (64 << 10)
+        self.factory = factory or self._flashinfer_wrapper
+        self.workspace = torch.zeros(self.float_bytes if factory is None else 1, dtype=torch.uint8, device=device)
         replay = cfg.replay_layers
         src = cfg.global_source(replay[0]) if len(replay) else None
         # What the layers read: every part on the whole batch, the replay layers' on a replay view.
@@ -193,24 +232,37 @@ class FlashInferAttention:
     # ---- planning: on the host, outside graphs ----------------------------------------
     def prepare(self, view, size: int | None) -> None:
         """Plan ``view`` for the layers about to read it: ``size`` is the replay graph's
-        size when they run in one, else None. A view planned without a graph (the whole
-        batch, planned for every part) is not planned again."""
-        if size is None and PLAN in view.derived:
-            return
+        size when they run in one, else None. Parts whose wrappers still hold this view's
+        plan are not planned again."""
         if size is not None:
-            slot, parts = size, self.parts["replay"]
-            batch = max(self.max_num_seqs, -(-size // self.cfg.window)) + 1  # capture's dummy views too
+            slot, parts, batch = size, self.parts["replay"], self.graph_batch(size)
         else:
             slot = "main" if view.comp_slot_mapping is not None else "replay"
             parts, batch = self.parts[slot], None
-        layouts = {}
-        for part in parts:
-            kind, arg = part
-            reqs, perm = (swa_part(view, self.cfg.window, arg), None) if kind == "swa" else global_part(view, arg)
-            if size is not None:
-                reqs = padded(reqs, view.num_tokens, size, batch)
-            layouts[part] = layout_of(reqs, perm)
-        view.derived[PLAN] = self._plan(slot, layouts, size)
+        mine = view.derived.setdefault(PLANS, {})
+        plans = mine.get(slot)
+        if plans is None or any(p.wrapper.holds is not p for p in plans.values()):
+            layouts = {}
+            for part in parts:
+                kind, arg = part
+                reqs, perm = (swa_part(view, self.cfg.window, arg), None) if kind == "swa" else global_part(view, arg)
+                if size is not None:
+                    reqs = padded(reqs, view.num_tokens, size, batch)
+                layouts[part] = layout_of(reqs, perm)
+            plans = mine[slot] = self._plan(slot, layouts, size)
+        view.derived[PLAN] = plans
+
+    def graph_batch(self, size: int) -> int:
+        """The request count of every plan of the replay graph of ``size`` rows: two
+        sub-requests per request (the rows without keys, the rest), of a served view or of
+        capture's dummy view, and the pad rows' request."""
+        return 2 * max(self.max_num_seqs, -(-size // self.max_request_rows)) + 1
+
+    def _graph_splits(self, size: int) -> bool:
+        # FlashInfer's CUDA-graph plans always split, into at least ``programs`` items,
+        # or its worst-case tile count for the graph's rows where that is more: split only
+        # below it, where the rows alone leave the GPU short of work.
+        return -(-size * self.cfg.num_heads // 16) + self.graph_batch(size) - 1 < self.programs
 
     def _plan(self, slot, layouts: dict, size: int | None) -> dict:
         # One host tensor for every part's arrays, pinned, so that the plans' copies do
@@ -233,7 +285,7 @@ class FlashInferAttention:
             at += 4 * b + 2
             k = lay.kv_indices.numel()
             wrapper = self._wrapper(slot, part, size, b)
-            kind, arg = part
+            kind, _ = part
             wrapper.plan(qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
                          paged_kv_last_page_len=last, seq_lens=lens, num_qo_heads=self.cfg.num_heads,
                          num_kv_heads=1, head_dim_qk=self.cfg.head_dim, page_size=1, causal=True,
@@ -244,7 +296,7 @@ class FlashInferAttention:
             if lay.perm is not None:
                 perm = dev[perm_at:perm_at + len(lay.perm)].long()
                 perm_at += len(lay.perm)
-            planned[part] = Planned(wrapper, lay.rows, perm)
+            planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm)
         return planned
 
     def _wrapper(self, slot, part, size: int | None, batch: int) -> _Wrapper:
@@ -257,19 +309,11 @@ class FlashInferAttention:
                            "paged_kv_indptr_buf": torch.zeros(batch + 1, **i32),
                            "paged_kv_indices_buf": torch.zeros(self.num_slots, **i32),
                            "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
-            w = self._wrappers[(slot, part)] = _Wrapper(self.factory(self.workspace, buffers), self.cuda)
+            split = size is None or self._graph_splits(size)
+            w = self._wrappers[(slot, part)] = _Wrapper(self.factory(buffers), self.cuda, split)
         return w
 
-
-def _flashinfer_wrapper(workspace: torch.Tensor, graph_buffers: dict | None):
-    # fa2: FlashInfer's kernels with CUDA-graph plans, sliding windows and page size 1.
-    if graph_buffers is None:
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
-    return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True, backend="fa2",
-                                                          **graph_buffers)
-
-
-# ---- running (inside the attention op, and inside graphs) ----------------------------
+    # ---- running (inside the attention op, and inside graphs) ----------------------------
 def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | None, ratio: int,
            view, floored: bool, sink: torch.Tensor) -> None:
     """Write attention for the planned rows of ``q`` into ``out`` (both [rows, heads,

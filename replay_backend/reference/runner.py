@@ -101,8 +101,9 @@ class StepRunner:
         if self.cfg.attention_impl == "flashinfer":
             if attention_wrapper_factory is None:
                 check_supported(self.device, self.dtype)
-            self.attention = FlashInferAttention(self.cfg, self.kv.swa[0].shape[0], max_num_seqs, self.device,
-                                                 self.dtype, attention_wrapper_factory)
+            rows = max(max_num_batched_tokens, backend.config.max_num_batched_tokens if backend else 0) + 1
+            self.attention = FlashInferAttention(self.cfg, self.kv.swa[0].shape[0], max_num_seqs, rows,
+                                                 max_model_len, self.device, self.dtype, attention_wrapper_factory)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.forward = forward if forward is not None else model
         # With a ReplayBackend the runner compiles the model itself, so it can capture
