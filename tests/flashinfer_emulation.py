@@ -76,3 +76,18 @@ class EmulatedPrefillWrapper:
 
 def factory(graph_buffers: dict | None) -> EmulatedPrefillWrapper:
     return EmulatedPrefillWrapper(graph_buffers)
+
+
+class StandInWrapper(EmulatedPrefillWrapper):
+    """The emulation behind FlashInfer 0.6.13's constructor and workspace API, for a
+    stand-in ``flashinfer`` module: a wrong argument name fails as it would there."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None) -> None:
+        assert kv_layout == "NHD" and use_cuda_graph == (qo_indptr_buf is not None)
+        super().__init__({"qo_indptr_buf": qo_indptr_buf} if use_cuda_graph else None)
+        self.backend, self.workspaces = backend, None
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer) -> None:
+        self.workspaces = (float_workspace_buffer.numel(), int_workspace_buffer.numel())

@@ -5,6 +5,7 @@ batch, a replay view, a replay graph's fixed-size plan), and the merge with the 
 all against the PyTorch reference attention. The GPU tests run FlashInfer itself."""
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -146,3 +147,28 @@ def test_a_batch_run_again_after_another_is_planned_again(models):
     got = runner.run(batch_a)
     want = oracle.step(a)
     assert max_abs_err(got.logits, want.logits) < 1e-4
+
+
+def test_wrappers_are_made_through_flashinfers_api(models, monkeypatch):
+    """The default wrappers, made through a stand-in ``flashinfer`` module with FlashInfer
+    0.6.13's constructor: the fa2 backend, CUDA-graph buffers for a replay graph's
+    wrappers, the workspaces this model's plans need; a broken install is a clear error."""
+    import types
+
+    _, fim = models
+    monkeypatch.setitem(sys.modules, "flashinfer",
+                        types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=flashinfer_emulation.StandInWrapper))
+    att = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 257, MAX_MODEL_LEN, "cpu",
+                                 torch.float32)
+    runner = _runner(fim)
+    batch = runner.build_batch([RequestChunk("a", 40, 40), RequestChunk("b", 9, 9)])
+    att.prepare(batch.view, None)
+    att.prepare(batch.replay.view, 64)
+    made = {slot: w.inner for (slot, _), w in att._wrappers.items()}
+    assert set(made) == {"main", 64}
+    assert all(w.backend == "fa2" and w.workspaces == (att.float_bytes, att.int_bytes) for w in made.values())
+    assert made[64].graph_batch == att.graph_batch(64) and made["main"].graph_batch is None
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # installed, but its import fails
+    monkeypatch.setattr(fi, "available", lambda: True)
+    with pytest.raises(ValueError, match="importing flashinfer failed"):
+        fi.check_supported("cuda", torch.bfloat16)

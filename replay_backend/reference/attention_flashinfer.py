@@ -27,16 +27,13 @@ plan refills.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from .attention_merge import merge
-
-try:
-    import flashinfer
-except ImportError:  # pragma: no cover - the CPU machines have no FlashInfer
-    flashinfer = None
 
 # Where a view's plans wait for the attention ops (``AttnView.derived``): the plans the
 # layers about to run read, and every plan made for the view, by slot.
@@ -45,14 +42,24 @@ PLANS = "flashinfer_plans"
 
 
 def available() -> bool:
-    return flashinfer is not None
+    """Whether flashinfer-python is installed. It is imported only by a runner that uses
+    it: the import takes seconds, and a broken install must not break the other kernels."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def _flashinfer():
+    try:
+        return importlib.import_module("flashinfer")
+    except Exception as e:  # noqa: BLE001 - installed but not importable, for any reason
+        raise ValueError(f"attention_impl='flashinfer': importing flashinfer failed: {type(e).__name__}: {e}") from e
 
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:
     """Raise a ValueError naming what rules out ``attention_impl="flashinfer"`` here."""
-    if flashinfer is None:
+    if not available():
         raise ValueError("attention_impl='flashinfer' needs the flashinfer-python package: "
                          "pip install 'dsv41-replay[gpu]' (docs/configuration.md)")
+    _flashinfer()
     if torch.device(device).type != "cuda":
         raise ValueError(f"attention_impl='flashinfer' runs on CUDA only, the model is on {device}")
     if dtype not in (torch.bfloat16, torch.float16):
@@ -313,7 +320,17 @@ class FlashInferAttention:
             w = self._wrappers[(slot, part)] = _Wrapper(self.factory(buffers), self.cuda, split)
         return w
 
-    # ---- running (inside the attention op, and inside graphs) ----------------------------
+    def _flashinfer_wrapper(self, graph_buffers: dict | None):
+        # fa2: FlashInfer's kernels with CUDA-graph plans, sliding windows and page size 1.
+        kw = {} if graph_buffers is None else dict(use_cuda_graph=True, **graph_buffers)
+        w = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
+        # Its own int workspace (8 MiB, and as much pinned) is sized for any plan; this
+        # model's plans need far less, and a runner holds two wrappers per replay size.
+        w.reset_workspace_buffer(self.workspace, torch.empty(self.int_bytes, dtype=torch.uint8, device=self.device))
+        return w
+
+
+# ---- running (inside the attention op, and inside graphs) ----------------------------
 def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | None, ratio: int,
            view, floored: bool, sink: torch.Tensor) -> None:
     """Write attention for the planned rows of ``q`` into ``out`` (both [rows, heads,
