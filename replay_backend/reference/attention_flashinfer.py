@@ -10,7 +10,8 @@ Each key set is a batch of causal requests over a page table of page size 1, the
 table's entries being cache slots (a request's block is ``base + position``):
 
 * SWA: the keys ``[max(p0 - W + 1, floor), seq_len)`` with ``window_left = W - 1``; a
-  row whose keys all lie below the floor sees none (its state has no mass).
+  row whose keys all lie below the floor sees none (its state has no mass). Such rows
+  are a request of their own (:func:`_split_blind`).
 * Global, ratio 1: entries ``[0, seq_len)``, plain causal.
 * Global, ratio r > 1: row p reads entries ``m < (p + 1) // r``, a slope FlashInfer's
   causal mask cannot express. Rows of one residue class of p mod r read exactly one
