@@ -75,3 +75,5 @@ def test_capture_builds_every_split_variant_that_served_steps_launch(monkeypatch
     assert attention_ops.split_warmup_seq_len(cfg.replace(attention_split=False), 256, "cpu") == 0
     assert attention_ops.split_warmup_seq_len(cfg, 200, "cpu") == 200  # the ratio-1 cache alone can split
     assert attention_ops.split_warmup_seq_len(cfg, 120, "cpu") == 0  # neither cache reaches 128 entries
+    # nor where FlashInfer attends (the Triton kernels only write the caches)
+    assert attention_ops.split_warmup_seq_len(cfg.replace(attention_impl="flashinfer"), 320, "cuda") == 0

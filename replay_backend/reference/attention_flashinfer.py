@@ -214,7 +214,7 @@ class FlashInferAttention:
         self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
         self.max_request_rows = max(1, min(cfg.window, max_request_rows))
         self.programs = _programs(self.device)
-        ratios = {cfg.compress_ratio(s) for s in map(cfg.global_source, range(cfg.num_layers)) if s is not None}
+        ratios = cfg.global_ratios
         heads, d = cfg.num_heads, cfg.head_dim
         # A plan splits its keys (scratch in the float workspace) only into at most
         # ``programs`` work items of at most 128 rows, FlashInfer's scratch being per query

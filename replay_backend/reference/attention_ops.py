@@ -135,9 +135,10 @@ def split_warmup_seq_len(cfg, max_model_len: int, device) -> int:
     variants differ by the floor (main or replay layer) and the ratio of the cache read,
     so the request is long enough for the largest ratio's cache to split too, where
     ``max_model_len`` allows."""
-    if not cfg.attention_split or not _use_triton(cfg.attention_impl, torch.device(device)):
+    triton_attends = cfg.attention_impl != "flashinfer" and _use_triton(cfg.attention_impl, torch.device(device))
+    if not cfg.attention_split or not triton_attends:
         return 0
-    ratios = {cfg.compress_ratio(src) for src in map(cfg.global_source, range(cfg.num_layers)) if src is not None}
+    ratios = cfg.global_ratios
     if not ratios:
         return 0
     seq_len = min(max_model_len, attention_triton.MIN_SPLIT_KEYS * max(ratios))

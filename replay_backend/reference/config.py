@@ -105,6 +105,11 @@ class ModelConfig:
             raise ValueError(f"layer {layer} is not a KV source")
         return 1 if layer == self.cut else 2
 
+    @property
+    def global_ratios(self) -> set[int]:
+        """The ratios of the global caches the layers read (every source reads its own)."""
+        return {self.compress_ratio(s) for s in self.kv_source_layer_ids}
+
     def global_source(self, layer: int) -> int | None:
         """The latest KV source at or below ``layer`` (None for SWA-only layers)."""
         below = [s for s in self.kv_source_layer_ids if s <= layer]
