@@ -10,7 +10,8 @@ exits 1 on any mismatch or fallback.
 
     python3 scripts/soak.py --preset mini-1k --dtype float32 --steps 500 --seed 1
     python3 scripts/soak.py --preset mini-2k --dtype bfloat16 --steps 500 --seed 2
-    python3 scripts/soak.py --preset mini-2k --dtype bfloat16 --model-option attention_impl=flashinfer
+    python3 scripts/soak.py --preset mini-2k --dtype bfloat16 --model-option attention_impl=flashinfer \
+        --oracle-option attention_impl=reference
 """
 from __future__ import annotations
 
@@ -39,19 +40,30 @@ def main() -> int:
     ap.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option")
     ap.add_argument("--model-option", action="append", metavar="KEY=VALUE",
                     help="a model config field, e.g. attention_impl=flashinfer")
+    ap.add_argument("--oracle-option", action="append", metavar="KEY=VALUE",
+                    help="a model config field of the oracle only, on top of --model-option (same weights); "
+                         "e.g. attention_impl=reference checks FlashInfer against PyTorch's attention")
     ap.add_argument("--max-seconds", type=float, help="stop taking steps after this long (capture not counted)")
     ap.add_argument("--json", metavar="PATH", help="write the report here too")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    model = build_model(model_config(args.preset, args.model_option), args.device, getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    model = build_model(model_config(args.preset, args.model_option), args.device, dtype)
+    oracle = None
+    if args.oracle_option:
+        oracle = build_model(model_config(args.preset, (args.model_option or []) + args.oracle_option),
+                             args.device, dtype)
+        oracle.load_state_dict(model.state_dict())
     report = soak(model, args.steps, args.seed, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, options=parse_options(args.option),
-                  log=lambda line: print(line, flush=True), max_seconds=args.max_seconds)
+                  log=lambda line: print(line, flush=True), max_seconds=args.max_seconds,
+                  oracle_model=oracle)
     print(f"{args.preset} on {args.device}: {time.perf_counter() - t0:.0f} s with capture")
     print(report.render())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "device": args.device, "seed": report.seed, "steps": report.steps,
+            json.dump({"preset": args.preset, "device": args.device, "model_options": args.model_option or [],
+                       "oracle_options": args.oracle_option or [], "seed": report.seed, "steps": report.steps,
                        "dtype": report.dtype, "measure": report.measure, "limits": report.limits,
                        "kinds": dict(report.kinds), "worst": report.worst, "noise": report.noise, "counters_moved": report.counters_moved,
                        "mismatches": [vars(m) for m in report.mismatches]}, f, indent=2)

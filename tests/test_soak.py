@@ -108,3 +108,23 @@ def test_traffic_stays_within_the_runner_limits(limits):
         assert sum(c.query_len for c in chunks) <= limits["max_num_batched_tokens"]
         assert all(c.seq_len <= 8192 for c in chunks)
         t.advance(chunks)
+
+
+def test_the_oracle_can_be_another_model_with_the_same_weights(model):
+    """``soak(oracle_model=...)`` (scripts/soak.py --oracle-option) steps that model as the
+    oracle: one whose last replay layer differs shows in that layer's cache and the logits
+    from the first step; one of another dtype is refused before anything is captured."""
+    import copy
+
+    from replay_backend.reference.soak import soak
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.layers[-1].parameters()).mul_(1.5)
+    kw = dict(max_num_seqs=6, max_model_len=256, max_num_batched_tokens=128, options=OPTS)
+    report = soak(model, 3, seed=4, oracle_model=other, **kw)
+    assert report.mismatches and {m.step for m in report.mismatches} == {0, 1, 2}, report.render()
+    assert {m.what for m in report.mismatches} <= {"logits", "swa-replay"}, report.render()
+    assert soak(model, 3, seed=4, oracle_model=copy.deepcopy(model), **kw).mismatches == []
+    with pytest.raises(ValueError, match="the oracle model is torch.bfloat16, the served model torch.float32"):
+        soak(model, 3, seed=4, oracle_model=copy.deepcopy(model).to(torch.bfloat16), **kw)

@@ -331,11 +331,17 @@ class Soak:
 
 def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len: int = 8192,
          max_num_batched_tokens: int = 4096, options: dict | None = None, log=None,
-         max_seconds: float | None = None) -> SoakReport:
+         max_seconds: float | None = None, oracle_model=None) -> SoakReport:
     """Capture a serving runner for ``model`` (a ReplayBackend with ``options``) and
-    soak it against the oracle for ``steps`` steps of traffic drawn from ``seed``."""
+    soak it against the oracle for ``steps`` steps of traffic drawn from ``seed``. The
+    oracle is ``model`` run eagerly, or ``oracle_model`` (the same weights in another
+    implementation, e.g. PyTorch's attention under a FlashInfer model) where given."""
     from ..backend import ReplayBackend
 
+    oracle_model = model if oracle_model is None else oracle_model
+    if next(oracle_model.parameters()).dtype != next(model.parameters()).dtype:
+        raise ValueError(f"the oracle model is {next(oracle_model.parameters()).dtype}, the served model "
+                         f"{next(model.parameters()).dtype}: a soak compares one dtype")
     opts = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, **(options or {})}
     backend = ReplayBackend(**opts)
     kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
@@ -349,9 +355,10 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
                       max_num_batched_tokens=max_num_batched_tokens, window=model.cfg.window,
                       trim_threshold=cfg.decoder_replay_trim_threshold,
                       max_capture_size=max(cfg.capture_sizes() or [0]))
-    noise = None
     dtype = next(model.parameters()).dtype
+    noise = None
     if dtype not in (torch.float32, torch.float64):
-        # The embedding one rounding away: scaled by 1 +- eps in fp32, then rounded back.
-        noise = StepRunner(fp32_copy(model, seed, torch.finfo(dtype).eps).to(dtype), **kw)
-    return Soak(runner, StepRunner(model, **kw), traffic, seed, noise).run(steps, log, max_seconds=max_seconds)
+        # The oracle's embedding one rounding away: scaled by 1 +- eps in fp32, rounded back.
+        noise = StepRunner(fp32_copy(oracle_model, seed, torch.finfo(dtype).eps).to(dtype), **kw)
+    return Soak(runner, StepRunner(oracle_model, **kw), traffic, seed, noise).run(steps, log,
+                                                                                max_seconds=max_seconds)
