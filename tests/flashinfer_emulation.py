@@ -11,7 +11,9 @@ own is a large negative number: either weighs nothing). As the real wrapper does
 ``run`` refuses a query whose row count is not the plan's, and a CUDA-graph wrapper
 refuses a plan whose request count differs from its buffers'. A causal request with
 keys but fewer keys than rows is refused at ``plan``: FlashInfer's kernels mask such a
-request wrongly (they compute the mask's start from ``K - L`` unsigned).
+request wrongly (they compute the mask's start from ``K - L`` unsigned). As there, a
+wrapper allocates buffers when made and ``plan`` copies into them in place (a wrapper
+made under ``torch.inference_mode`` cannot plan outside it).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import torch
 class EmulatedPrefillWrapper:
     def __init__(self, graph_buffers: dict | None) -> None:
         self.graph_batch = None if graph_buffers is None else graph_buffers["qo_indptr_buf"].numel() - 1
+        self.graph_buffers = graph_buffers
+        self.kv_lens_buffer = torch.empty(32768, dtype=torch.int32)
         self.plans = 0
         self.plan_rows: list[int] = []
 
@@ -40,6 +44,11 @@ class EmulatedPrefillWrapper:
         if short:
             raise ValueError(f"requests {short}: fewer keys than query rows ({lens[short].tolist()} < "
                              f"{rows[short].tolist()}), which FlashInfer's causal mask gets wrong")
+        self.kv_lens_buffer[:batch].copy_(seq_lens)
+        if self.graph_buffers is not None:
+            self.graph_buffers["qo_indptr_buf"].copy_(qo_indptr)
+            self.graph_buffers["paged_kv_indptr_buf"].copy_(paged_kv_indptr)
+            self.graph_buffers["paged_kv_indices_buf"][:paged_kv_indices.numel()].copy_(paged_kv_indices)
         self.split = not disable_split_kv
         self.qo = qo_indptr.tolist()
         self.kv = paged_kv_indptr.tolist()
@@ -86,7 +95,9 @@ class StandInWrapper(EmulatedPrefillWrapper):
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None) -> None:
         assert kv_layout == "NHD" and use_cuda_graph == (qo_indptr_buf is not None)
-        super().__init__({"qo_indptr_buf": qo_indptr_buf} if use_cuda_graph else None)
+        super().__init__(dict(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
+                              paged_kv_indices_buf=paged_kv_indices_buf,
+                              paged_kv_last_page_len_buf=paged_kv_last_page_len_buf) if use_cuda_graph else None)
         self.backend, self.workspaces = backend, None
 
     def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer) -> None:

@@ -207,6 +207,10 @@ class FlashInferAttention:
     ``BatchPrefillWithPagedKVCacheWrapper`` on this object's workspaces. The CPU tests
     pass an emulation of it."""
 
+    # Outside inference mode: a wrapper's buffers and workspaces outlive the call that
+    # made them and every plan updates them in place, which an inference tensor refuses
+    # outside inference mode; runners plan both inside it (steps) and outside (capture).
+    @torch.inference_mode(False)
     def __init__(self, cfg, num_slots: int, max_num_seqs: int, max_rows: int, max_request_rows: int, device,
                  dtype, factory=None) -> None:
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
@@ -238,6 +242,7 @@ class FlashInferAttention:
         self._wrappers: dict[tuple, _Wrapper] = {}
 
     # ---- planning: on the host, outside graphs ----------------------------------------
+    @torch.inference_mode(False)
     def prepare(self, view, size: int | None) -> None:
         """Plan ``view`` for the layers about to read it: ``size`` is the replay graph's
         size when they run in one, else None. Parts whose wrappers still hold this view's
