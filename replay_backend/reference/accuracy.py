@@ -40,14 +40,30 @@ def nudge_size(dtype: torch.dtype) -> float:
 
 def fp32_copy(model, nudge_seed: int | None = None, nudge: float = 0.0):
     """An fp32 copy of ``model``; with a seed, its embedding rows are scaled by
-    ``1 ± nudge`` (a random sign per entry)."""
+    ``1 ± nudge`` (a random sign per entry). FlashInfer has no fp32 kernels: the copy
+    of a model that attends through it attends through the default implementation."""
     exact = copy.deepcopy(model).float()
+    if exact.cfg.attention_impl == "flashinfer":
+        exact.cfg = exact.cfg.replace(attention_impl="auto")
     if nudge_seed is not None:
-        gen = torch.Generator().manual_seed(nudge_seed)
-        sign = torch.randint(0, 2, exact.embed.shape, generator=gen).float().mul_(2).sub_(1)
         with torch.no_grad():
-            exact.embed.mul_(sign.mul_(nudge).add_(1).to(exact.embed.device))
+            exact.embed.copy_(_nudged(exact.embed, nudge_seed, nudge))
     return exact
+
+
+def nudged_copy(model, nudge_seed: int, nudge: float):
+    """A copy of ``model`` in its own dtype and attention implementation, its embedding
+    nudged as :func:`fp32_copy` nudges it (in fp32), then rounded back."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.embed.copy_(_nudged(other.embed.float(), nudge_seed, nudge))
+    return other
+
+
+def _nudged(embed: torch.Tensor, seed: int, nudge: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    sign = torch.randint(0, 2, embed.shape, generator=gen).float().mul_(2).sub_(1)
+    return embed * sign.mul_(nudge).add_(1).to(embed.device)
 
 
 def last_logits(model, prompt_len: int, max_num_batched_tokens: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batch import RequestChunk, kept_len
-from .accuracy import REL_FLOOR, fp32_copy
+from .accuracy import REL_FLOOR, nudged_copy
 from .compare import BAND_FACTOR, default_tolerance, max_abs_err
 from ..counters import counters
 from .runner import StepOutput, StepRunner
@@ -359,6 +359,6 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
     noise = None
     if dtype not in (torch.float32, torch.float64):
         # The oracle's embedding one rounding away: scaled by 1 +- eps in fp32, rounded back.
-        noise = StepRunner(fp32_copy(oracle_model, seed, torch.finfo(dtype).eps).to(dtype), **kw)
+        noise = StepRunner(nudged_copy(oracle_model, seed, torch.finfo(dtype).eps), **kw)
     return Soak(runner, StepRunner(oracle_model, **kw), traffic, seed, noise).run(steps, log,
                                                                                 max_seconds=max_seconds)
