@@ -9,6 +9,7 @@
 #   tests:SECONDS               python3 -m pytest tests/test_gpu.py
 #   soak:SECONDS:ARGS           python3 scripts/soak.py ARGS (give it --max-seconds below SECONDS)
 #   bench:SECONDS:ARGS          replay-backend bench ARGS (give it --max-seconds below SECONDS)
+#   check:SECONDS:ARGS          python3 scripts/flashinfer_check.py ARGS (after wheels)
 # ARGS are space-separated; e.g.
 #   bash scripts/gpu_run.sh $OUT tests:300 \
 #       "soak:560:--preset mini-2k --dtype bfloat16 --steps 500 --seed 2 --max-seconds 420"
@@ -36,7 +37,8 @@ for step in "$@"; do
         tests) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider tests/test_gpu.py "${argv[@]}") ;;
         soak) cmd=(python3 scripts/soak.py --json "$out/soak$n.json" "${argv[@]}") ;;
         bench) cmd=(replay-backend bench --json "$out/bench$n.json" --out "$out/bench$n.md" "${argv[@]}") ;;
-        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, soak, bench)" >&2; exit 2 ;;
+        check) cmd=(python3 scripts/flashinfer_check.py "${argv[@]}") ;;
+        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, soak, bench, check)" >&2; exit 2 ;;
     esac
     log="$out/$kind$n.log"
     echo "== $kind (limit ${limit}s): ${cmd[*]}"

@@ -1,5 +1,5 @@
 """attention_impl="flashinfer" on the CPU: FlashInfer's wrapper emulated from its
-documented semantics (flashinfer_emulation.py), the rest of the path real: the key
+documented semantics (reference/flashinfer_semantics.py), the rest of the path real: the key
 sets each view is split into, the plans made before attention reads a view (the whole
 batch, a replay view, a replay graph's fixed-size plan), and the merge with the sink,
 all against the PyTorch reference attention. The GPU tests run FlashInfer itself."""
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import flashinfer_emulation
 import flashinfer_merge_cases
 from conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, check_interpreted, needs_triton, small_config
 from replay_backend import RequestChunk, StepRunner, build_model
 from replay_backend.backend import ReplayBackend
 from replay_backend.reference import attention_flashinfer as fi
+from replay_backend.reference import flashinfer_semantics as flashinfer_emulation
 from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
@@ -149,6 +149,23 @@ def test_a_batch_run_again_after_another_is_planned_again(models):
     assert max_abs_err(got.logits, want.logits) < 1e-4
 
 
+class StandInWrapper(flashinfer_emulation.EmulatedPrefillWrapper):
+    """The emulation behind FlashInfer 0.6.13's constructor and workspace API, for a
+    stand-in ``flashinfer`` module: a wrong argument name fails as it would there."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None) -> None:
+        assert kv_layout == "NHD" and use_cuda_graph == (qo_indptr_buf is not None)
+        super().__init__(dict(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
+                              paged_kv_indices_buf=paged_kv_indices_buf,
+                              paged_kv_last_page_len_buf=paged_kv_last_page_len_buf) if use_cuda_graph else None)
+        self.backend, self.workspaces = backend, None
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer) -> None:
+        self.workspaces = (float_workspace_buffer.numel(), int_workspace_buffer.numel())
+
+
 def test_wrappers_are_made_through_flashinfers_api(models, monkeypatch):
     """The default wrappers, made through a stand-in ``flashinfer`` module with FlashInfer
     0.6.13's constructor: the fa2 backend, CUDA-graph buffers for a replay graph's
@@ -157,7 +174,7 @@ def test_wrappers_are_made_through_flashinfers_api(models, monkeypatch):
 
     _, fim = models
     monkeypatch.setitem(sys.modules, "flashinfer",
-                        types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=flashinfer_emulation.StandInWrapper))
+                        types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=StandInWrapper))
     att = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 257, MAX_MODEL_LEN, "cpu",
                                  torch.float32)
     runner = _runner(fim)
@@ -172,3 +189,52 @@ def test_wrappers_are_made_through_flashinfers_api(models, monkeypatch):
     monkeypatch.setattr(fi, "available", lambda: True)
     with pytest.raises(ValueError, match="importing flashinfer failed"):
         fi.check_supported("cuda", torch.bfloat16)
+
+
+def _flashinfer_check(monkeypatch, wrapper_class):
+    """scripts/flashinfer_check.py, its FlashInfer a stand-in module of ``wrapper_class``."""
+    import importlib.util
+    import pathlib
+
+    from replay_backend.reference import runner as runner_module
+
+    monkeypatch.setitem(sys.modules, "flashinfer", SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=wrapper_class))
+    monkeypatch.setattr(runner_module, "check_supported", lambda *a: None)
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "flashinfer_check.py"
+    spec = importlib.util.spec_from_file_location("flashinfer_check", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "flashinfer_check", module)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+class WrongRowWrapper(StandInWrapper):
+    """The stand-in, with one row of every SWA part's output zeroed: a kernel fault."""
+
+    def run(self, q, kv, *, out, lse, return_lse) -> None:
+        super().run(q, kv, out=out, lse=lse, return_lse=return_lse)
+        if self.window_left >= 0 and out.shape[0] > 30:
+            out[30] = 0
+
+
+ARGV = ["--device", "cpu", "--model-option", "num_layers=8", "--model-option", "kv_source_layer_ids=1,3",
+        "--model-option", "window=16", "--max-model-len", "256", "--batch", "p:40/90@60,d:1/30"]
+
+
+def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkeypatch, capsys):
+    """The GPU diagnosis tool, on the CPU: against a wrapper that is the semantics it
+    finds nothing; against one that zeroes a row it names the call, the row and its
+    request, and the step drifts from PyTorch's attention."""
+    assert _flashinfer_check(monkeypatch, StandInWrapper).main(ARGV) == 0
+    out = capsys.readouterr().out
+    assert "0 above" in out and "OUT OF BOUNDS" not in out, out
+    assert _flashinfer_check(monkeypatch, WrongRowWrapper).main(ARGV) == 1
+    out = capsys.readouterr().out
+    assert "(swa, window_left" in out and "worst row 30 (request 0) rel L2 1" in out, out
+    assert "requests rows/keys: " in out
+
+
+def test_a_flashinfer_runner_says_it_is_experimental(models):
+    """FlashInfer has not passed its GPU soak: every runner that attends through it says so."""
+    with pytest.warns(UserWarning, match="attention_impl='flashinfer' is experimental"):
+        _runner(models[1])

@@ -319,12 +319,23 @@ def test_parse_batch_spec_good():
     assert parse_batch_spec("p:5/5") == [R("r0", 5, 5)]
 
 
+def test_a_soak_step_parses_back_to_its_requests():
+    """The soak prints a step as ``spec_of`` writes it, floors included; ``--batch``
+    takes it back."""
+    from replay_backend.reference.soak import spec_of
+
+    reqs = [R("r0", 1, 58), R("r1", 869, 1091, kv_start=971), R("r2", 40, 40, keep_all=True)]
+    assert spec_of(reqs) == "d:1/58,p:869/1091@971,k:40/40"
+    assert parse_batch_spec(spec_of(reqs)) == reqs
+
+
 @pytest.mark.parametrize(
     "spec, match",
     [
         ("", "no requests"),
         (" , ,", "no requests"),
-        ("p:10,x:5", r"item 1 'x:5': expected KIND:Q\[/S\]"),
+        ("p:10,x:5", r"item 1 'x:5': expected KIND:Q\[/S\]\[@F\]"),
+        ("p:10/20@", r"item 0 'p:10/20@'"),
         ("p:10,d:1", r"item 1 'd:1': a decode needs its sequence length"),
         ("p:0", r"item 0 'p:0': need 1 <= Q <= S"),
         ("p:5/3", r"item 0 'p:5/3': need 1 <= Q <= S"),

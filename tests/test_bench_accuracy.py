@@ -74,3 +74,22 @@ def test_the_reference_model_is_well_conditioned_in_bf16():
     model = build_model(preset("tiny"), "cpu", torch.bfloat16)
     gate = yardstick(model, last_logits(model, 256, 16384), 256, 16384)
     assert gate.plain_err <= 0.02 and gate.noise_err <= 0.02, gate
+
+
+def test_the_fp32_copy_of_a_flashinfer_model_attends_through_the_default():
+    """FlashInfer has no fp32 kernels: the yardstick of a FlashInfer model (bench
+    --attention flashinfer) is its weights upcast under the default attention; the
+    soak's noise model keeps the model's own dtype and attention."""
+    from replay_backend.reference.accuracy import nudged_copy
+
+    fim = build_model(CFG.replace(attention_impl="flashinfer"), "cpu", torch.bfloat16)
+    exact = fp32_copy(fim)
+    assert exact.cfg.attention_impl == "auto" and next(exact.parameters()).dtype == torch.float32
+    assert fim.cfg.attention_impl == "flashinfer"  # the model itself is untouched
+    want = plain_logits(fp32_copy(build_model(CFG, "cpu", torch.bfloat16)))
+    assert torch.equal(plain_logits(exact), want)
+    noisy = nudged_copy(fim, 3, nudge_size(torch.bfloat16) * 2)
+    assert noisy.cfg.attention_impl == "flashinfer" and noisy.embed.dtype == torch.bfloat16
+    assert not torch.equal(noisy.embed, fim.embed)
+    # the nudge is fp32_copy's, rounded back
+    assert torch.equal(noisy.embed, fp32_copy(fim, 3, nudge_size(torch.bfloat16) * 2).embed.bfloat16())

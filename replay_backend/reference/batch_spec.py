@@ -2,7 +2,8 @@
 
 Comma-separated requests: ``p:Q/S`` a prefill chunk of Q tokens ending at sequence
 length S (``p:Q`` = ``p:Q/Q``), ``d:Q/S`` a decode of Q tokens at length S, ``k:Q/S`` a
-prefill that keeps all rows.
+prefill that keeps all rows. A suffix ``@F`` sets the request's replay floor
+(``kv_start``), as the soak prints its steps: ``p:869/1091@971``.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 
 from ..batch import RequestChunk
 
-_ITEM = re.compile(r"^([pdk]):(\d+)(?:/(\d+))?$")
+_ITEM = re.compile(r"^([pdk]):(\d+)(?:/(\d+))?(?:@(\d+))?$")
 
 
 def parse_batch_spec(spec: str) -> list[RequestChunk]:
@@ -21,7 +22,7 @@ def parse_batch_spec(spec: str) -> list[RequestChunk]:
     for i, item in enumerate(items):
         m = _ITEM.match(item)
         if not m:
-            raise ValueError(f"--batch item {i} {item!r}: expected KIND:Q[/S] with KIND in p, d, k")
+            raise ValueError(f"--batch item {i} {item!r}: expected KIND:Q[/S][@F] with KIND in p, d, k")
         kind, q = m.group(1), int(m.group(2))
         s = int(m.group(3)) if m.group(3) else q
         if q < 1 or s < q:
@@ -29,7 +30,8 @@ def parse_batch_spec(spec: str) -> list[RequestChunk]:
         if kind == "d" and not m.group(3):
             raise ValueError(f"--batch item {i} {item!r}: a decode needs its sequence length (d:Q/S)")
         try:
-            reqs.append(RequestChunk(f"r{i}", q, s, keep_all=(kind == "k")))
+            floor = int(m.group(4)) if m.group(4) is not None else None
+            reqs.append(RequestChunk(f"r{i}", q, s, keep_all=(kind == "k"), kv_start=floor))
         except ValueError as e:
             raise ValueError(f"--batch item {i} {item!r}: {e}") from None
     return reqs

@@ -41,6 +41,15 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
+def worst_row_rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest relative L2 distance of one row (the last dim), in fp32: one wrong
+    row is not averaged away by the right ones."""
+    if got.numel() == 0:
+        return 0.0
+    got, want = got.float(), want.float()
+    return ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
 # 16-bit comparisons: the reference model's rounding-noise band in bf16 (relative L2 of
 # last-row logits, SPEC §2; tests/test_bench_accuracy.py holds the model to it) and how
 # many bands away a result may land before it counts as an error.

@@ -21,7 +21,7 @@ import torch
 
 from ..batch import RequestChunk, kept_len
 from .accuracy import REL_FLOOR, nudged_copy
-from .compare import BAND_FACTOR, default_tolerance, max_abs_err
+from .compare import BAND_FACTOR, default_tolerance, max_abs_err, worst_row_rel_l2
 from ..counters import counters
 from .runner import StepOutput, StepRunner
 
@@ -228,8 +228,7 @@ class Soak:
             return 0.0
         if self.exact:
             return max_abs_err(got, want)
-        rows = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
-        return rows.max().item()
+        return worst_row_rel_l2(got, want)
 
     def _compare(self, got: StepOutput, want: StepOutput, runner: StepRunner, chunks) -> dict[str, float]:
         errs = {"logits": self._err(got.logits.float(), want.logits.float())}

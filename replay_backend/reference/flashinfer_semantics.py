@@ -1,6 +1,9 @@
-"""FlashInfer's paged prefill wrapper emulated in PyTorch, for the CPU tests.
+"""FlashInfer's paged prefill wrapper emulated in PyTorch from its documented semantics.
 
-Written from FlashInfer's documented semantics, not from this project's attention:
+The CPU tests run ``attention_impl="flashinfer"`` on it (StepRunner's
+``attention_wrapper_factory``), and ``scripts/flashinfer_check.py`` holds FlashInfer's
+kernels to it on the GPU, part by part. It is written from FlashInfer's documented
+semantics, not from this project's attention:
 request i's query rows are ``qo_indptr[i]:qo_indptr[i+1]`` and its keys the pages
 ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]`` (page size 1: one slot each). With
 ``causal``, row r of a request of ``L`` rows and ``K`` keys sees key j when
@@ -69,8 +72,8 @@ class EmulatedPrefillWrapper:
             keys = k[self.indices[self.kv[i]:self.kv[i + 1]].long()].float()
             if n == 0 or keys.shape[0] == 0:
                 continue
-            r = torch.arange(n)[:, None]
-            j = torch.arange(keys.shape[0])[None, :]
+            r = torch.arange(n, device=keys.device)[:, None]
+            j = torch.arange(keys.shape[0], device=keys.device)[None, :]
             shift = keys.shape[0] - n
             seen = j <= r + shift
             if self.window_left >= 0:
@@ -85,20 +88,3 @@ class EmulatedPrefillWrapper:
 
 def factory(graph_buffers: dict | None) -> EmulatedPrefillWrapper:
     return EmulatedPrefillWrapper(graph_buffers)
-
-
-class StandInWrapper(EmulatedPrefillWrapper):
-    """The emulation behind FlashInfer 0.6.13's constructor and workspace API, for a
-    stand-in ``flashinfer`` module: a wrong argument name fails as it would there."""
-
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None) -> None:
-        assert kv_layout == "NHD" and use_cuda_graph == (qo_indptr_buf is not None)
-        super().__init__(dict(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
-                              paged_kv_indices_buf=paged_kv_indices_buf,
-                              paged_kv_last_page_len_buf=paged_kv_last_page_len_buf) if use_cuda_graph else None)
-        self.backend, self.workspaces = backend, None
-
-    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer) -> None:
-        self.workspaces = (float_workspace_buffer.numel(), int_workspace_buffer.numel())

@@ -1,0 +1,151 @@
+"""Where does attention through FlashInfer go wrong on a batch? Call by call, on the GPU.
+
+Runs each batch (``verify --batch`` form, as the soak prints a failing step) after its
+cached context through an uncompiled runner of the model with
+``attention_impl="flashinfer"``, and
+
+1. holds every FlashInfer call (each layer's SWA part and global part) to FlashInfer's
+   documented semantics (reference/flashinfer_semantics.py) run on the same plan in
+   fp32: the worst row's relative L2 of the output, over rows that see a key;
+2. compares the step as a whole (logits, every cache slot it wrote) with the same
+   weights under PyTorch's attention, by the worst row's relative L2, against the
+   rounding noise of that model with its embedding one rounding away.
+
+A call above ``--limit`` prints its plan (requests as rows/keys, window, split) and its
+worst row's request. Exits 1 when a call or the step as a whole is out of bounds. The
+first tells a kernel or plan fault apart from one in this project's key sets (which the
+CPU tests hold to the same semantics); an uncompiled step that agrees while the soak
+fails points at serving (graphs, plans of replay views) instead.
+
+    python3 scripts/flashinfer_check.py --preset tiny \\
+        --batch "d:1/58,d:4/5,d:1/72,p:869/1091@971" --batch "d:4/67,d:1/5,p:664/664"
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from replay_backend.reference import PRESETS, build_model
+from replay_backend.reference.accuracy import nudged_copy
+from replay_backend.reference.batch_spec import parse_batch_spec
+from replay_backend.reference.cli_options import model_config
+from replay_backend.reference.compare import BAND_FACTOR, worst_row_rel_l2
+from replay_backend.reference.flashinfer_semantics import EmulatedPrefillWrapper
+from replay_backend.reference.runner import StepRunner
+from replay_backend.reference.soak import written_slots
+
+
+@dataclass
+class Call:
+    """One FlashInfer run, held to the semantics."""
+    index: int
+    part: str  # "swa" or "global"
+    err: float
+    row: int  # the worst row, in the call's own order
+    plan: dict = field(default_factory=dict)
+
+    def render(self) -> str:
+        qo, kv = self.plan["qo_indptr"], self.plan["kv_indptr"]
+        reqs = [f"{qo[i + 1] - qo[i]}/{kv[i + 1] - kv[i]}" for i in range(len(qo) - 1)]
+        at = next(i for i in range(len(qo) - 1) if qo[i] <= self.row < qo[i + 1])
+        return (f"call {self.index} ({self.part}, window_left {self.plan['window_left']}, "
+                f"split {'allowed' if self.plan['split'] else 'off'}): worst row {self.row} "
+                f"(request {at}) rel L2 {self.err:.3g}; requests rows/keys: {' '.join(reqs)}")
+
+
+class Checked:
+    """A FlashInfer wrapper whose every run is also computed by the semantics."""
+
+    def __init__(self, real, calls: list[Call]) -> None:
+        self.real, self.calls = real, calls
+        self.semantics = EmulatedPrefillWrapper(None)
+
+    def plan(self, **kw) -> None:
+        self.real.plan(**kw)
+        self.semantics.plan(**kw)
+        self.plan_args = {"qo_indptr": kw["qo_indptr"].tolist(), "kv_indptr": kw["paged_kv_indptr"].tolist(),
+                          "window_left": kw["window_left"], "split": not kw["disable_split_kv"]}
+
+    def run(self, q, kv, *, out, lse, return_lse) -> None:
+        self.real.run(q, kv, out=out, lse=lse, return_lse=return_lse)
+        want = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        want_lse = torch.empty_like(lse)
+        self.semantics.run(q, kv, out=want, lse=want_lse, return_lse=True)
+        seen = torch.isfinite(want_lse).all(dim=1)  # rows with a key: rows without weigh nothing
+        got = out.float().flatten(1)[seen]
+        rows = (got - want.flatten(1)[seen]).norm(dim=1) / want.flatten(1)[seen].norm(dim=1).clamp_min(1e-6)
+        worst = int(rows.argmax()) if rows.numel() else 0
+        index = seen.nonzero().flatten()[worst].item() if rows.numel() else 0
+        part = "swa" if self.plan_args["window_left"] >= 0 else "global"
+        self.calls.append(Call(len(self.calls), part, rows.max().item() if rows.numel() else 0.0, index,
+                               self.plan_args))
+
+
+def step_errors(runner: StepRunner, other: StepRunner, reqs, got, want) -> dict[str, float]:
+    errs = {"logits": worst_row_rel_l2(got.logits, want.logits)}
+    mine, theirs = written_slots(runner.kv, reqs, got.batch), written_slots(other.kv, reqs, want.batch)
+    for part in mine:
+        a = [t.index_select(0, s) for t, s in mine[part]]
+        b = [t.index_select(0, s) for t, s in theirs[part]]
+        errs[part] = worst_row_rel_l2(torch.cat(a), torch.cat(b)) if a else 0.0
+    return errs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="a model config field")
+    ap.add_argument("--batch", action="append", required=True, help="one step, e.g. d:1/58,p:869/1091@971")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--limit", type=float, default=0.02,
+                    help="largest worst-row relative L2 of one call against the semantics (bf16 output)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    cfg = model_config(args.preset, args.model_option)
+    model = build_model(cfg.replace(attention_impl="flashinfer"), args.device, torch.bfloat16)
+    ref = build_model(cfg.replace(attention_impl="reference"), args.device, torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=max(sum(r.query_len for r in parse_batch_spec(b)) for b in args.batch))
+    runner, oracle = StepRunner(model, **kw), StepRunner(ref, **kw)
+    noise = StepRunner(nudged_copy(ref, args.seed, torch.finfo(torch.bfloat16).eps), **kw)
+    calls: list[Call] = []
+    make = runner.attention.factory
+    runner.attention.factory = lambda buffers: Checked(make(buffers), calls)
+    bad = False
+    for n, spec in enumerate(args.batch):
+        reqs = [r.__class__(f"b{n}{r.req_id}", r.query_len, r.seq_len, keep_all=r.keep_all, kv_start=r.kv_start)
+                for r in parse_batch_spec(spec)]
+        for r in (runner, oracle, noise):
+            r.prefill_context(reqs)
+        calls.clear()
+        got, want, nudged = runner.step(reqs), oracle.step(reqs), noise.step(reqs)
+        errs = step_errors(runner, oracle, reqs, got, want)
+        envelope = step_errors(noise, oracle, reqs, nudged, want)
+        over = [c for c in calls if c.err > args.limit]
+        far = {k: v for k, v in errs.items() if v > BAND_FACTOR * max(envelope[k], 1e-3)}
+        worst = max(calls, key=lambda c: c.err, default=None)
+        print(f"{spec}: {len(calls)} FlashInfer calls, worst {worst.err if worst else 0:.3g}; "
+              f"{len(over)} above {args.limit}")
+        print("  step vs PyTorch attention (worst row rel L2 / noise): "
+              + ", ".join(f"{k} {v:.3g}/{envelope[k]:.3g}" for k, v in errs.items()))
+        for c in over[:8]:
+            print("  " + c.render())
+        if far:
+            print(f"  OUT OF BOUNDS: {sorted(far)}")
+        bad = bad or bool(over or far)
+        for r in (runner, oracle, noise):
+            for q in reqs:
+                r.free(q.req_id)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
