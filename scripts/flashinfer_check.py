@@ -23,6 +23,7 @@ fails points at serving (graphs, plans of replay views) instead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ from replay_backend.reference.compare import BAND_FACTOR, worst_row_rel_l2
 from replay_backend.reference.flashinfer_semantics import EmulatedPrefillWrapper
 from replay_backend.reference.runner import StepRunner
 from replay_backend.reference.soak import written_slots
+
+
+DUMPS = 4
 
 
 @dataclass
@@ -57,13 +61,19 @@ class Call:
 
 
 class Checked:
-    """A FlashInfer wrapper whose every run is also computed by the semantics."""
+    """A FlashInfer wrapper whose every run is also computed by the semantics.
+    ``no_split``: plan every call unsplit, to see whether a fault follows FlashInfer's
+    split-KV path; ``dump``: a directory that receives the first ``DUMPS`` calls above
+    ``limit`` (each holds the whole cache it read)."""
 
-    def __init__(self, real, calls: list[Call]) -> None:
-        self.real, self.calls = real, calls
+    def __init__(self, real, calls: list[Call], no_split: bool = False, dump: str | None = None,
+                 limit: float = 0.0) -> None:
+        self.real, self.calls, self.no_split, self.dump, self.limit = real, calls, no_split, dump, limit
         self.semantics = EmulatedPrefillWrapper(None)
 
     def plan(self, **kw) -> None:
+        if self.no_split:
+            kw["disable_split_kv"] = True
         self.real.plan(**kw)
         self.semantics.plan(**kw)
         self.plan_args = {"qo_indptr": kw["qo_indptr"].tolist(), "kv_indptr": kw["paged_kv_indptr"].tolist(),
@@ -80,8 +90,13 @@ class Checked:
         worst = int(rows.argmax()) if rows.numel() else 0
         index = seen.nonzero().flatten()[worst].item() if rows.numel() else 0
         part = "swa" if self.plan_args["window_left"] >= 0 else "global"
-        self.calls.append(Call(len(self.calls), part, rows.max().item() if rows.numel() else 0.0, index,
-                               self.plan_args))
+        call = Call(len(self.calls), part, rows.max().item() if rows.numel() else 0.0, index, self.plan_args)
+        self.calls.append(call)
+        if self.dump and call.err > self.limit and len(os.listdir(self.dump)) < DUMPS:
+            # Everything the call read and wrote, to find offline which keys the kernel used.
+            torch.save({"plan": self.plan_args, "q": q.cpu(), "kv": kv[0].cpu(), "kv_indices": self.semantics.indices.cpu(),
+                        "out": out.cpu(), "lse": lse.cpu(), "want": want.cpu(), "want_lse": want_lse.cpu(),
+                        "scale": self.semantics.scale}, os.path.join(self.dump, f"call{call.index}.pt"))
 
 
 def step_errors(runner: StepRunner, other: StepRunner, reqs, got, want) -> dict[str, float]:
@@ -95,8 +110,8 @@ def step_errors(runner: StepRunner, other: StepRunner, reqs, got, want) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="a model config field")
     ap.add_argument("--batch", action="append", required=True, help="one step, e.g. d:1/58,p:869/1091@971")
@@ -106,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="largest worst-row relative L2 of one call against the semantics (bf16 output)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-split", action="store_true",
+                    help="plan every FlashInfer call with its split-KV path off")
+    ap.add_argument("--dump", metavar="DIR", help=f"save the first {DUMPS} calls above --limit here (torch.save)")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     cfg = model_config(args.preset, args.model_option)
@@ -118,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     noise = StepRunner(nudged_copy(ref, args.seed, torch.finfo(torch.bfloat16).eps), **kw)
     calls: list[Call] = []
     make = runner.attention.factory
-    runner.attention.factory = lambda buffers: Checked(make(buffers), calls)
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+    runner.attention.factory = lambda buffers: Checked(make(buffers), calls, args.no_split, args.dump, args.limit)
     bad = False
     for n, spec in enumerate(args.batch):
         reqs = [r.__class__(f"b{n}{r.req_id}", r.query_len, r.seq_len, keep_all=r.keep_all, kv_start=r.kv_start)

@@ -221,17 +221,22 @@ ARGV = ["--device", "cpu", "--model-option", "num_layers=8", "--model-option", "
         "--model-option", "window=16", "--max-model-len", "256", "--batch", "p:40/90@60,d:1/30"]
 
 
-def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkeypatch, capsys):
+def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkeypatch, capsys, tmp_path):
     """The GPU diagnosis tool, on the CPU: against a wrapper that is the semantics it
     finds nothing; against one that zeroes a row it names the call, the row and its
     request, and the step drifts from PyTorch's attention."""
     assert _flashinfer_check(monkeypatch, StandInWrapper).main(ARGV) == 0
     out = capsys.readouterr().out
     assert "0 above" in out and "OUT OF BOUNDS" not in out, out
-    assert _flashinfer_check(monkeypatch, WrongRowWrapper).main(ARGV) == 1
+    check = _flashinfer_check(monkeypatch, WrongRowWrapper)
+    assert check.main(ARGV + ["--no-split", "--dump", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "(swa, window_left" in out and "worst row 30 (request 0) rel L2 1" in out, out
-    assert "requests rows/keys: " in out
+    assert "(swa, window_left 15, split off)" in out and "worst row 30 (request 0) rel L2 1" in out, out
+    assert "requests rows/keys: 40/55 1/16" in out
+    dumps = sorted(tmp_path.iterdir())
+    assert len(dumps) == check.DUMPS
+    call = torch.load(dumps[0])
+    assert call["out"][30].abs().max() == 0 and call["want"][30].abs().max() > 0
 
 
 def test_a_flashinfer_runner_says_it_is_experimental(models):
