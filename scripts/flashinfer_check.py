@@ -25,59 +25,76 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from replay_backend.reference import PRESETS, build_model
-from replay_backend.reference.accuracy import nudged_copy
+from replay_backend.reference.accuracy import REL_FLOOR, nudged_copy
 from replay_backend.reference.batch_spec import parse_batch_spec
 from replay_backend.reference.cli_options import model_config
-from replay_backend.reference.compare import BAND_FACTOR, worst_row_rel_l2
+from replay_backend.reference.compare import BAND_FACTOR, row_rel_l2, worst_row_rel_l2
 from replay_backend.reference.flashinfer_semantics import EmulatedPrefillWrapper
 from replay_backend.reference.runner import StepRunner
-from replay_backend.reference.soak import written_slots
+from replay_backend.reference.soak import compare_step
 
 
 DUMPS = 4
 
 
-@dataclass
+@dataclass(frozen=True)
+class PlanSummary:
+    """What one FlashInfer plan asked for."""
+    qo_indptr: tuple[int, ...]
+    kv_indptr: tuple[int, ...]
+    window_left: int
+    split: bool  # FlashInfer may split the keys across programs
+
+    @property
+    def part(self) -> str:
+        return "swa" if self.window_left >= 0 else "global"
+
+    def request_of(self, row: int) -> int:
+        return next(i for i in range(len(self.qo_indptr) - 1) if self.qo_indptr[i] <= row < self.qo_indptr[i + 1])
+
+
+@dataclass(frozen=True)
 class Call:
     """One FlashInfer run, held to the semantics."""
     index: int
-    part: str  # "swa" or "global"
-    err: float
-    row: int  # the worst row, in the call's own order
-    plan: dict = field(default_factory=dict)
+    err: float  # the worst row's relative L2 (inf where FlashInfer's row is not finite)
+    row: int  # that row, in the call's own order
+    plan: PlanSummary
 
     def render(self) -> str:
-        qo, kv = self.plan["qo_indptr"], self.plan["kv_indptr"]
+        qo, kv = self.plan.qo_indptr, self.plan.kv_indptr
         reqs = [f"{qo[i + 1] - qo[i]}/{kv[i + 1] - kv[i]}" for i in range(len(qo) - 1)]
-        at = next(i for i in range(len(qo) - 1) if qo[i] <= self.row < qo[i + 1])
-        return (f"call {self.index} ({self.part}, window_left {self.plan['window_left']}, "
-                f"split {'allowed' if self.plan['split'] else 'off'}): worst row {self.row} "
-                f"(request {at}) rel L2 {self.err:.3g}; requests rows/keys: {' '.join(reqs)}")
+        return (f"call {self.index} ({self.plan.part}, window_left {self.plan.window_left}, "
+                f"split {'allowed' if self.plan.split else 'off'}): worst row {self.row} "
+                f"(request {self.plan.request_of(self.row)}) rel L2 {self.err:.3g}; "
+                f"requests rows/keys: {' '.join(reqs)}")
 
 
 class Checked:
     """A FlashInfer wrapper whose every run is also computed by the semantics.
     ``no_split``: plan every call unsplit, to see whether a fault follows FlashInfer's
-    split-KV path; ``dump``: a directory that receives the first ``DUMPS`` calls above
-    ``limit`` (each holds the whole cache it read)."""
+    split-KV path. ``dump``: where the first ``DUMPS`` calls above ``limit`` are saved
+    (each holds the whole cache it read), named by ``tag()`` and the call."""
 
-    def __init__(self, real, calls: list[Call], no_split: bool = False, dump: str | None = None,
-                 limit: float = 0.0) -> None:
-        self.real, self.calls, self.no_split, self.dump, self.limit = real, calls, no_split, dump, limit
+    def __init__(self, real, calls: list[Call], no_split: bool, limit: float, dump: str | None,
+                 dumped: list[str], tag) -> None:
+        self.real, self.calls, self.no_split, self.limit = real, calls, no_split, limit
+        self.dump, self.dumped, self.tag = dump, dumped, tag
         self.semantics = EmulatedPrefillWrapper(None)
+        self.plan_summary: PlanSummary | None = None
 
     def plan(self, **kw) -> None:
         if self.no_split:
             kw["disable_split_kv"] = True
         self.real.plan(**kw)
         self.semantics.plan(**kw)
-        self.plan_args = {"qo_indptr": kw["qo_indptr"].tolist(), "kv_indptr": kw["paged_kv_indptr"].tolist(),
-                          "window_left": kw["window_left"], "split": not kw["disable_split_kv"]}
+        self.plan_summary = PlanSummary(tuple(kw["qo_indptr"].tolist()), tuple(kw["paged_kv_indptr"].tolist()),
+                                        kw["window_left"], not kw["disable_split_kv"])
 
     def run(self, q, kv, *, out, lse, return_lse) -> None:
         self.real.run(q, kv, out=out, lse=lse, return_lse=return_lse)
@@ -85,28 +102,18 @@ class Checked:
         want_lse = torch.empty_like(lse)
         self.semantics.run(q, kv, out=want, lse=want_lse, return_lse=True)
         seen = torch.isfinite(want_lse).all(dim=1)  # rows with a key: rows without weigh nothing
-        got = out.float().flatten(1)[seen]
-        rows = (got - want.flatten(1)[seen]).norm(dim=1) / want.flatten(1)[seen].norm(dim=1).clamp_min(1e-6)
+        rows = row_rel_l2(out.flatten(1)[seen], want.flatten(1)[seen])
         worst = int(rows.argmax()) if rows.numel() else 0
-        index = seen.nonzero().flatten()[worst].item() if rows.numel() else 0
-        part = "swa" if self.plan_args["window_left"] >= 0 else "global"
-        call = Call(len(self.calls), part, rows.max().item() if rows.numel() else 0.0, index, self.plan_args)
+        call = Call(len(self.calls), rows.max().item() if rows.numel() else 0.0,
+                    seen.nonzero().flatten()[worst].item() if rows.numel() else 0, self.plan_summary)
         self.calls.append(call)
-        if self.dump and call.err > self.limit and len(os.listdir(self.dump)) < DUMPS:
+        if self.dump and not call.err <= self.limit and len(self.dumped) < DUMPS:
             # Everything the call read and wrote, to find offline which keys the kernel used.
-            torch.save({"plan": self.plan_args, "q": q.cpu(), "kv": kv[0].cpu(), "kv_indices": self.semantics.indices.cpu(),
-                        "out": out.cpu(), "lse": lse.cpu(), "want": want.cpu(), "want_lse": want_lse.cpu(),
-                        "scale": self.semantics.scale}, os.path.join(self.dump, f"call{call.index}.pt"))
-
-
-def step_errors(runner: StepRunner, other: StepRunner, reqs, got, want) -> dict[str, float]:
-    errs = {"logits": worst_row_rel_l2(got.logits, want.logits)}
-    mine, theirs = written_slots(runner.kv, reqs, got.batch), written_slots(other.kv, reqs, want.batch)
-    for part in mine:
-        a = [t.index_select(0, s) for t, s in mine[part]]
-        b = [t.index_select(0, s) for t, s in theirs[part]]
-        errs[part] = worst_row_rel_l2(torch.cat(a), torch.cat(b)) if a else 0.0
-    return errs
+            path = os.path.join(self.dump, f"{self.tag()}-call{call.index}.pt")
+            torch.save({"plan": asdict(call.plan), "q": q.cpu(), "kv": kv[0].cpu(),
+                        "kv_indices": self.semantics.indices.cpu(), "out": out.cpu(), "lse": lse.cpu(),
+                        "want": want.cpu(), "want_lse": want_lse.cpu(), "scale": self.semantics.scale}, path)
+            self.dumped.append(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,32 +142,37 @@ def main(argv: list[str] | None = None) -> int:
     runner, oracle = StepRunner(model, **kw), StepRunner(ref, **kw)
     noise = StepRunner(nudged_copy(ref, args.seed, torch.finfo(torch.bfloat16).eps), **kw)
     calls: list[Call] = []
-    make = runner.attention.factory
+    dumped: list[str] = []
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-    runner.attention.factory = lambda buffers: Checked(make(buffers), calls, args.no_split, args.dump, args.limit)
+    phase = ["context"]  # names the dumps: the batch, and whether its context or its step
+    make = runner.attention.factory
+    runner.attention.factory = lambda buffers: Checked(make(buffers), calls, args.no_split, args.limit, args.dump,
+                                                       dumped, lambda: phase[0])
     bad = False
     for n, spec in enumerate(args.batch):
-        reqs = [r.__class__(f"b{n}{r.req_id}", r.query_len, r.seq_len, keep_all=r.keep_all, kv_start=r.kv_start)
-                for r in parse_batch_spec(spec)]
+        reqs = [replace(r, req_id=f"b{n}{r.req_id}") for r in parse_batch_spec(spec)]
+        phase[0] = f"batch{n}-context"
         for r in (runner, oracle, noise):
             r.prefill_context(reqs)
+        context_over = sum(not c.err <= args.limit for c in calls)
         calls.clear()
+        phase[0] = f"batch{n}"
         got, want, nudged = runner.step(reqs), oracle.step(reqs), noise.step(reqs)
-        errs = step_errors(runner, oracle, reqs, got, want)
-        envelope = step_errors(noise, oracle, reqs, nudged, want)
-        over = [c for c in calls if c.err > args.limit]
-        far = {k: v for k, v in errs.items() if v > BAND_FACTOR * max(envelope[k], 1e-3)}
+        errs = compare_step(runner.kv, oracle.kv, reqs, got, want, worst_row_rel_l2)
+        envelope = compare_step(noise.kv, oracle.kv, reqs, nudged, want, worst_row_rel_l2)
+        over = [c for c in calls if not c.err <= args.limit]
+        far = {k: v for k, v in errs.items() if not v <= BAND_FACTOR * max(envelope[k], REL_FLOOR)}
         worst = max(calls, key=lambda c: c.err, default=None)
         print(f"{spec}: {len(calls)} FlashInfer calls, worst {worst.err if worst else 0:.3g}; "
-              f"{len(over)} above {args.limit}")
+              f"{len(over)} above {args.limit} (and {context_over} while building its context)")
         print("  step vs PyTorch attention (worst row rel L2 / noise): "
               + ", ".join(f"{k} {v:.3g}/{envelope[k]:.3g}" for k, v in errs.items()))
         for c in over[:8]:
             print("  " + c.render())
         if far:
             print(f"  OUT OF BOUNDS: {sorted(far)}")
-        bad = bad or bool(over or far)
+        bad = bad or bool(over or far or context_over)
         for r in (runner, oracle, noise):
             for q in reqs:
                 r.free(q.req_id)

@@ -48,11 +48,16 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    model = build_model(model_config(args.preset, args.model_option), args.device, dtype)
+    try:
+        cfg = model_config(args.preset, args.model_option)
+        oracle_cfg = model_config(args.preset, (args.model_option or []) + (args.oracle_option or []),
+                                  "--oracle-option")
+    except ValueError as e:
+        ap.error(str(e))
+    model = build_model(cfg, args.device, dtype)
     oracle = None
     if args.oracle_option:
-        oracle = build_model(model_config(args.preset, (args.model_option or []) + args.oracle_option),
-                             args.device, dtype)
+        oracle = build_model(oracle_cfg, args.device, dtype)
         oracle.load_state_dict(model.state_dict())
     report = soak(model, args.steps, args.seed, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, options=parse_options(args.option),

@@ -5,6 +5,7 @@ batch, a replay view, a replay graph's fixed-size plan), and the merge with the 
 all against the PyTorch reference attention. The GPU tests run FlashInfer itself."""
 from __future__ import annotations
 
+import math
 import sys
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, check_interpreted, needs_trito
 from replay_backend import RequestChunk, StepRunner, build_model
 from replay_backend.backend import ReplayBackend
 from replay_backend.reference import attention_flashinfer as fi
-from replay_backend.reference import flashinfer_semantics as flashinfer_emulation
+from replay_backend.reference import flashinfer_semantics
 from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "one_thread")
@@ -75,7 +76,7 @@ def models():
 
 def _runner(model, **kw):
     return StepRunner(model, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                      attention_wrapper_factory=flashinfer_emulation.factory if model.cfg.attention_impl == "flashinfer"
+                      attention_wrapper_factory=flashinfer_semantics.factory if model.cfg.attention_impl == "flashinfer"
                       else None, **kw)
 
 
@@ -149,7 +150,7 @@ def test_a_batch_run_again_after_another_is_planned_again(models):
     assert max_abs_err(got.logits, want.logits) < 1e-4
 
 
-class StandInWrapper(flashinfer_emulation.EmulatedPrefillWrapper):
+class StandInWrapper(flashinfer_semantics.EmulatedPrefillWrapper):
     """The emulation behind FlashInfer 0.6.13's constructor and workspace API, for a
     stand-in ``flashinfer`` module: a wrong argument name fails as it would there."""
 
@@ -209,12 +210,13 @@ def _flashinfer_check(monkeypatch, wrapper_class):
 
 
 class WrongRowWrapper(StandInWrapper):
-    """The stand-in, with one row of every SWA part's output zeroed: a kernel fault."""
+    """The stand-in, with one row of every SWA part's output NaN: a kernel fault that no
+    comparison with a limit may let pass."""
 
     def run(self, q, kv, *, out, lse, return_lse) -> None:
         super().run(q, kv, out=out, lse=lse, return_lse=return_lse)
         if self.window_left >= 0 and out.shape[0] > 30:
-            out[30] = 0
+            out[30] = math.nan
 
 
 ARGV = ["--device", "cpu", "--model-option", "num_layers=8", "--model-option", "kv_source_layer_ids=1,3",
@@ -227,16 +229,18 @@ def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkey
     request, and the step drifts from PyTorch's attention."""
     assert _flashinfer_check(monkeypatch, StandInWrapper).main(ARGV) == 0
     out = capsys.readouterr().out
-    assert "0 above" in out and "OUT OF BOUNDS" not in out, out
+    assert "0 above 0.02 (and 0 while building its context)" in out and "OUT OF BOUNDS" not in out, out
     check = _flashinfer_check(monkeypatch, WrongRowWrapper)
     assert check.main(ARGV + ["--no-split", "--dump", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "(swa, window_left 15, split off)" in out and "worst row 30 (request 0) rel L2 1" in out, out
-    assert "requests rows/keys: 40/55 1/16" in out
+    assert "(swa, window_left 15, split off)" in out and "worst row 30 (request 0) rel L2 inf" in out, out
+    assert "requests rows/keys: 40/55 1/16" in out and "OUT OF BOUNDS" in out
     dumps = sorted(tmp_path.iterdir())
-    assert len(dumps) == check.DUMPS
+    # the context's prefill (50 rows) has a row 30 too: the first dumps are its calls
+    assert len(dumps) == check.DUMPS and all(d.name.startswith("batch0-context-call") for d in dumps), dumps
     call = torch.load(dumps[0])
-    assert call["out"][30].abs().max() == 0 and call["want"][30].abs().max() > 0
+    assert call["out"][30].isnan().all() and call["want"][30].abs().max() > 0
+    assert call["plan"]["split"] is False and call["plan"]["window_left"] == 15
 
 
 def test_a_flashinfer_runner_says_it_is_experimental(models):

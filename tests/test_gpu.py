@@ -400,6 +400,7 @@ def test_flashinfer_serving_matches_its_eager_model(model):
 
 
 @needs_flashinfer
+@pytest.mark.xfail(strict=True, reason="some rows disagree on the H200 (docs/testing.md, FlashInfer on the GPU)")
 def test_flashinfer_serving_soak_against_pytorch_attention():
     """A shorter ``scripts/soak.py --model-option attention_impl=flashinfer --oracle-option
     attention_impl=reference``: the 40-layer tiny preset in bf16 served with FlashInfer in

@@ -113,7 +113,8 @@ def test_traffic_stays_within_the_runner_limits(limits):
 def test_the_oracle_can_be_another_model_with_the_same_weights(model):
     """``soak(oracle_model=...)`` (scripts/soak.py --oracle-option) steps that model as the
     oracle: one whose last replay layer differs shows in that layer's cache and the logits
-    from the first step; one of another dtype is refused before anything is captured."""
+    from the first step; one of another dtype, or another model (not only another
+    implementation), is refused before anything is captured."""
     import copy
 
     from replay_backend.reference.soak import soak
@@ -126,5 +127,9 @@ def test_the_oracle_can_be_another_model_with_the_same_weights(model):
     assert report.mismatches and {m.step for m in report.mismatches} == {0, 1, 2}, report.render()
     assert {m.what for m in report.mismatches} <= {"logits", "swa-replay"}, report.render()
     assert soak(model, 3, seed=4, oracle_model=copy.deepcopy(model), **kw).mismatches == []
-    with pytest.raises(ValueError, match="the oracle model is torch.bfloat16, the served model torch.float32"):
+    with pytest.raises(ValueError, match="the oracle model is torch.bfloat16 on cpu, the served model torch.float32"):
         soak(model, 3, seed=4, oracle_model=copy.deepcopy(model).to(torch.bfloat16), **kw)
+    wider = copy.deepcopy(model)
+    wider.cfg = model.cfg.replace(window=2 * model.cfg.window, moe_impl="dense")
+    with pytest.raises(ValueError, match="differs from the served model in window: .* only in attention_impl"):
+        soak(model, 3, seed=4, oracle_model=wider, **kw)

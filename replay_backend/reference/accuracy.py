@@ -44,7 +44,10 @@ def fp32_copy(model, nudge_seed: int | None = None, nudge: float = 0.0):
     of a model that attends through it attends through the default implementation."""
     exact = copy.deepcopy(model).float()
     if exact.cfg.attention_impl == "flashinfer":
-        exact.cfg = exact.cfg.replace(attention_impl="auto")
+        cfg = exact.cfg.replace(attention_impl="auto")
+        for module in exact.modules():  # the blocks hold the config too
+            if getattr(module, "cfg", None) is not None:
+                module.cfg = cfg
     if nudge_seed is not None:
         with torch.no_grad():
             exact.embed.copy_(_nudged(exact.embed, nudge_seed, nudge))

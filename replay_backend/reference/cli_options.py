@@ -28,14 +28,14 @@ def parse_options(items: list[str] | None, flag: str = "--option") -> dict:
     return opts
 
 
-def model_config(name: str, items: list[str] | None):
-    """Preset ``name`` with ``--model-option`` overrides (``attention_impl=flashinfer``,
-    ``kv_source_layer_ids=2,8``)."""
+def model_config(name: str, items: list[str] | None, flag: str = "--model-option"):
+    """Preset ``name`` with ``flag`` overrides (``attention_impl=flashinfer``,
+    ``kv_source_layer_ids=2,8``); errors name ``flag``."""
     from .config import preset
 
     base = preset(name)
     overrides = {}
-    for k, v in parse_options(items, "--model-option").items():
+    for k, v in parse_options(items, flag).items():
         if isinstance(v, list):
             v = tuple(v)
         elif isinstance(getattr(base, k, None), tuple):  # one layer id parses as a number
@@ -44,4 +44,4 @@ def model_config(name: str, items: list[str] | None):
     try:
         return preset(name, **overrides)
     except TypeError as e:
-        raise ValueError(f"--model-option: {e}") from None
+        raise ValueError(f"{flag}: {e}") from None

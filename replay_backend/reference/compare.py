@@ -41,13 +41,18 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def worst_row_rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest relative L2 distance of one row (the last dim), in fp32: one wrong
-    row is not averaged away by the right ones."""
-    if got.numel() == 0:
-        return 0.0
+def row_rel_l2(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Each row's (the last dim's) relative L2 distance, in fp32; a row that is not
+    finite is infinitely far, so no comparison with a limit lets it pass."""
     got, want = got.float(), want.float()
-    return ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).max().item()
+    rows = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    return torch.where(torch.isfinite(rows), rows, torch.inf)
+
+
+def worst_row_rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest :func:`row_rel_l2`: one wrong row is not averaged away by the right
+    ones."""
+    return row_rel_l2(got, want).max().item() if got.numel() else 0.0
 
 
 # 16-bit comparisons: the reference model's rounding-noise band in bf16 (relative L2 of

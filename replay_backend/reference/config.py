@@ -128,6 +128,17 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def differs_beyond_implementation(self, other: "ModelConfig") -> list[str]:
+        """The fields in which ``other`` is another model, not another implementation
+        of this one (``IMPLEMENTATION_FIELDS`` aside)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in IMPLEMENTATION_FIELDS and getattr(self, f.name) != getattr(other, f.name)]
+
+
+# The fields that choose how the model computes, not what: two configs that differ only
+# in these compute the same function (up to rounding).
+IMPLEMENTATION_FIELDS = ("attention_impl", "moe_impl", "moe_permute_impl", "attention_split", "sinkhorn_impl")
+
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),

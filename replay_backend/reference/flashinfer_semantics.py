@@ -29,7 +29,7 @@ class EmulatedPrefillWrapper:
     def __init__(self, graph_buffers: dict | None) -> None:
         self.graph_batch = None if graph_buffers is None else graph_buffers["qo_indptr_buf"].numel() - 1
         self.graph_buffers = graph_buffers
-        self.kv_lens_buffer = torch.empty(32768, dtype=torch.int32)
+        self.kv_lens_buffer = torch.empty(32768, dtype=torch.int32)  # FlashInfer's own size
         self.plans = 0
         self.plan_rows: list[int] = []
 

@@ -83,12 +83,11 @@ def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, in
     return steps
 
 
-# Said on every runner that attends through FlashInfer until its GPU soak passes
-# (docs/testing.md, FlashInfer): a wrong row there is silent otherwise.
+# Raised by every runner that attends through FlashInfer while its GPU soak does not
+# pass (docs/testing.md): a wrong row would be silent otherwise.
 FLASHINFER_UNVERIFIED = (
-    "attention_impl='flashinfer' is experimental: on the H200 its serving soak of the 40-layer tiny "
-    "preset disagrees with PyTorch's attention in some rows (docs/testing.md). Check your model with "
-    "scripts/flashinfer_check.py and scripts/soak.py before relying on it.")
+    "attention_impl='flashinfer' is experimental (docs/testing.md, FlashInfer on the GPU): check your "
+    "model with scripts/soak.py --oracle-option attention_impl=reference before relying on it")
 
 
 class StepRunner:

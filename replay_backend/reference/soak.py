@@ -21,6 +21,7 @@ import torch
 
 from ..batch import RequestChunk, kept_len
 from .accuracy import REL_FLOOR, nudged_copy
+from .config import IMPLEMENTATION_FIELDS
 from .compare import BAND_FACTOR, default_tolerance, max_abs_err, worst_row_rel_l2
 from ..counters import counters
 from .runner import StepOutput, StepRunner
@@ -200,6 +201,22 @@ def written_slots(caches, chunks: list[RequestChunk], batch, kept_only: bool = T
     return parts
 
 
+def compare_step(got_kv, want_kv, chunks: list[RequestChunk], got, want, err) -> dict[str, float]:
+    """``err(got, want)`` per compared part of one step: the logits, then each part of
+    the cache slots the step wrote (:func:`written_slots`), ``got`` from the runner of
+    ``got_kv`` and ``want`` from that of ``want_kv``. Logits that are not finite are
+    infinitely far."""
+    errs = {"logits": err(got.logits.float(), want.logits.float())}
+    if not torch.isfinite(got.logits).all():
+        errs["logits"] = float("inf")
+    mine, theirs = written_slots(got_kv, chunks, got.batch), written_slots(want_kv, chunks, want.batch)
+    for part in mine:
+        a = [t.index_select(0, s).float() for t, s in mine[part]]
+        b = [t.index_select(0, s).float() for t, s in theirs[part]]
+        errs[part] = err(torch.cat(a), torch.cat(b)) if a else 0.0
+    return errs
+
+
 class Soak:
     """Runs the traffic through ``runner`` (compiled, captured, serving) and ``oracle``.
 
@@ -231,16 +248,7 @@ class Soak:
         return worst_row_rel_l2(got, want)
 
     def _compare(self, got: StepOutput, want: StepOutput, runner: StepRunner, chunks) -> dict[str, float]:
-        errs = {"logits": self._err(got.logits.float(), want.logits.float())}
-        if not torch.isfinite(got.logits).all():
-            errs["logits"] = float("inf")
-        mine = written_slots(runner.kv, chunks, got.batch)
-        theirs = written_slots(self.oracle.kv, chunks, want.batch)
-        for part in mine:
-            a = [t.index_select(0, s).float() for t, s in mine[part]]
-            b = [t.index_select(0, s).float() for t, s in theirs[part]]
-            errs[part] = self._err(torch.cat(a), torch.cat(b)) if a else 0.0
-        return errs
+        return compare_step(runner.kv, self.oracle.kv, chunks, got, want, self._err)
 
     def _sync(self, runner: StepRunner, got: StepOutput, want: StepOutput, chunks) -> None:
         """Every slot the step wrote takes the oracle's value, trimmed rows included."""
@@ -338,9 +346,14 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
     from ..backend import ReplayBackend
 
     oracle_model = model if oracle_model is None else oracle_model
-    if next(oracle_model.parameters()).dtype != next(model.parameters()).dtype:
-        raise ValueError(f"the oracle model is {next(oracle_model.parameters()).dtype}, the served model "
-                         f"{next(model.parameters()).dtype}: a soak compares one dtype")
+    mine, theirs = next(model.parameters()), next(oracle_model.parameters())
+    if (theirs.dtype, theirs.device) != (mine.dtype, mine.device):
+        raise ValueError(f"the oracle model is {theirs.dtype} on {theirs.device}, the served model {mine.dtype} "
+                         f"on {mine.device}: a soak compares one dtype on one device")
+    other = model.cfg.differs_beyond_implementation(oracle_model.cfg)
+    if other:
+        raise ValueError(f"the oracle model differs from the served model in {', '.join(other)}: a soak compares "
+                         f"implementations of one model, which may differ only in {', '.join(IMPLEMENTATION_FIELDS)}")
     opts = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, **(options or {})}
     backend = ReplayBackend(**opts)
     kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
