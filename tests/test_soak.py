@@ -96,6 +96,7 @@ def test_a_16_bit_soak_measures_its_noise_and_still_sees_one_wrong_row(model):
     assert all(0 < v < 0.2 for v in report.noise.values()), report.noise
     assert [(m.step, m.what) for m in report.mismatches] == [(5, "swa-replay")], report.render()
     assert set(report.limits) == set(report.noise) and "worst row's relative L2" in report.render()
+    assert set(soak.seconds) == {"compiled", "oracle", "noise", "checks"}  # the noise runner's step apart
 
 
 @pytest.mark.parametrize("limits", [dict(max_num_seqs=8, max_num_batched_tokens=4096),  # 8 x W < 1025 tokens
