@@ -94,3 +94,26 @@ def test_the_fp32_copy_of_a_flashinfer_model_attends_through_the_default():
     assert not torch.equal(noisy.embed, fim.embed)
     # the nudge is fp32_copy's, rounded back
     assert torch.equal(noisy.embed, fp32_copy(fim, 3, nudge_size(torch.bfloat16) * 2).embed.bfloat16())
+
+
+def test_passes_in_another_attention_share_the_fp32_copies(monkeypatch):
+    """bench --attention a,b: the second pass's gate reuses the first's fp32 results
+    when its fp32 copies would compute the same (a FlashInfer model's run the default
+    attention), and runs its own for another model."""
+    from replay_backend.reference import accuracy
+
+    made = []
+    real = accuracy.fp32_copy
+    monkeypatch.setattr(accuracy, "fp32_copy", lambda *a, **k: made.append(a[1:]) or real(*a, **k))
+    shared: dict = {}
+    model = build_model(CFG.replace(attention_impl="auto"), "cpu", torch.bfloat16)
+    first = accuracy.yardstick(model, plain_logits(model), 40, 64, shared)
+    assert len(made) == 3  # the exact copy and two nudged ones
+    fim = build_model(CFG.replace(attention_impl="flashinfer"), "cpu", torch.bfloat16)
+    plain = plain_logits(model) * 1.01  # stands for the FlashInfer model's own logits
+    again = accuracy.yardstick(fim, plain, 40, 64, shared)
+    assert len(made) == 3 and again.exact is first.exact and again.noise_err == first.noise_err
+    assert again.plain_err == rel_l2(plain, first.exact)  # its own
+    other = build_model(CFG.replace(window=8), "cpu", torch.bfloat16)
+    accuracy.yardstick(other, plain_logits(other), 40, 64, shared)
+    assert len(made) == 6

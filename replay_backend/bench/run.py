@@ -172,11 +172,12 @@ def _model(args):
     return build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32), device
 
 
-def run_bench(args, checkpoint=None) -> dict:
+def run_bench(args, checkpoint=None, fp32_results: dict | None = None) -> dict:
     """Every mode at every point; returns the report. ``checkpoint(report)``, when given,
     gets the report so far once this backend's modes are ready, after each timed point
     and after the stock peer's compile, so that a run stopped by an outer time limit
-    still leaves what it measured."""
+    still leaves what it measured. ``fp32_results``: the accuracy gate's fp32 results,
+    shared by the passes of one command (reference/accuracy.yardstick)."""
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     if not shapes:
         raise ValueError(f"every ISL x concurrency point is above --max-tokens-per-point "
@@ -192,7 +193,7 @@ def run_bench(args, checkpoint=None) -> dict:
     check_len = check_tokens(shapes)
     t0 = time.perf_counter()
     reference = StepRunner(model, **kw).prefill({CHECK: check_len})[CHECK]
-    gate = yardstick(model, reference, check_len, args.max_num_batched_tokens)
+    gate = yardstick(model, reference, check_len, args.max_num_batched_tokens, fp32_results)
     print(f"check prompt: {check_len} tokens, plain model and fp32 copies in {time.perf_counter() - t0:.1f} s; "
           f"rel L2 to the fp32 copy: plain {gate.plain_err:.3g}, rounding noise {gate.noise_err:.3g}, "
           f"a mode drifts above {gate.limit:.3g}", flush=True)

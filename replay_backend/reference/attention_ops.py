@@ -124,6 +124,14 @@ def _use_triton(impl: str, device: torch.device) -> bool:
     return device.type == "cuda" and attention_triton.available()
 
 
+def effective_attention(impl: str, device) -> str:
+    """What ``attention_impl`` runs on ``device``: "triton", "reference" or "flashinfer"
+    ("auto" resolved)."""
+    if impl == "flashinfer":
+        return impl
+    return "triton" if _use_triton(impl, torch.device(device)) else "reference"
+
+
 def split_warmup_seq_len(cfg, max_model_len: int, device) -> int:
     """The sequence length of a one-block warm-up request whose attention takes every
     split variant of the kernel that a served step can take (0: none can: no Triton

@@ -250,13 +250,15 @@ def cmd_bench(args) -> int:
         print(json.dumps(bench.compile_only(args)))
         return 0
     t0, done = time.perf_counter(), []
+    fp32_results: dict = {}  # one set of fp32 copies for every implementation's pass
     for impl in impls:
         run = copy.copy(args)
         if impl is not None:
             run.model_option = [*args.model_option, f"attention_impl={impl}"]
         run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
         torch._dynamo.reset()  # each implementation traces its own model
-        done.append(bench.run_bench(run, checkpoint=lambda partial: _write_report(args, [*done, partial])))
+        done.append(bench.run_bench(run, checkpoint=lambda partial: _write_report(args, [*done, partial]),
+                                    fp32_results=fp32_results))
     print(_write_report(args, done))
     return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
 
