@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=max(sum(r.query_len for r in parse_batch_spec(b)) for b in args.batch))
     runner, oracle = StepRunner(model, **kw), StepRunner(ref, **kw)
-    noise = StepRunner(nudged_copy(ref, args.seed, torch.finfo(torch.bfloat16).eps), **kw)
+    noise = StepRunner(nudged_copy(ref, args.seed), **kw)
     calls: list[Call] = []
     dumped: list[str] = []
     if args.dump:

@@ -89,7 +89,7 @@ def test_the_fp32_copy_of_a_flashinfer_model_attends_through_the_default():
     assert fim.cfg.attention_impl == "flashinfer"  # the model itself is untouched
     want = plain_logits(fp32_copy(build_model(CFG, "cpu", torch.bfloat16)))
     assert torch.equal(plain_logits(exact), want)
-    noisy = nudged_copy(fim, 3, nudge_size(torch.bfloat16) * 2)
+    noisy = nudged_copy(fim, 3)
     assert noisy.cfg.attention_impl == "flashinfer" and noisy.embed.dtype == torch.bfloat16
     assert not torch.equal(noisy.embed, fim.embed)
     # the nudge is fp32_copy's, rounded back

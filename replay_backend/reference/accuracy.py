@@ -60,12 +60,13 @@ def fp32_config(cfg):
     return cfg.replace(attention_impl="auto") if cfg.attention_impl == "flashinfer" else cfg
 
 
-def nudged_copy(model, nudge_seed: int, nudge: float):
+def nudged_copy(model, nudge_seed: int):
     """A copy of ``model`` in its own dtype and attention implementation, its embedding
-    nudged as :func:`fp32_copy` nudges it (in fp32), then rounded back."""
+    one rounding away: nudged as :func:`fp32_copy` nudges it (in fp32) by a whole step
+    of the dtype, then rounded back, so that each entry lands on a neighbour."""
     other = copy.deepcopy(model)
     with torch.no_grad():
-        other.embed.copy_(_nudged(other.embed.float(), nudge_seed, nudge))
+        other.embed.copy_(_nudged(other.embed.float(), nudge_seed, torch.finfo(other.embed.dtype).eps))
     return other
 
 

@@ -376,7 +376,6 @@ def soak(model, steps: int, seed: int, *, max_num_seqs: int = 16, max_model_len:
     dtype = next(model.parameters()).dtype
     noise = None
     if dtype not in (torch.float32, torch.float64):
-        # The oracle's embedding one rounding away: scaled by 1 +- eps in fp32, rounded back.
-        noise = StepRunner(nudged_copy(oracle_model, seed, torch.finfo(dtype).eps), **kw)
+        noise = StepRunner(nudged_copy(oracle_model, seed), **kw)  # the oracle one rounding away
     return Soak(runner, StepRunner(oracle_model, **kw), traffic, seed, noise).run(steps, log,
                                                                                 max_seconds=max_seconds)
