@@ -143,8 +143,7 @@ def split_warmup_seq_len(cfg, max_model_len: int, device) -> int:
     variants differ by the floor (main or replay layer) and the ratio of the cache read,
     so the request is long enough for the largest ratio's cache to split too, where
     ``max_model_len`` allows."""
-    triton_attends = cfg.attention_impl != "flashinfer" and _use_triton(cfg.attention_impl, torch.device(device))
-    if not cfg.attention_split or not triton_attends:
+    if not cfg.attention_split or effective_attention(cfg.attention_impl, device) != "triton":
         return 0
     ratios = cfg.global_ratios
     if not ratios:
