@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from replay_backend.reference import PRESETS, build_model
-from replay_backend.reference.accuracy import REL_FLOOR, nudged_copy
+from replay_backend.reference.accuracy import noise_limit, nudged_copy
 from replay_backend.reference.batch_spec import parse_batch_spec
 from replay_backend.reference.cli_options import model_config
-from replay_backend.reference.compare import BAND_FACTOR, row_rel_l2, worst_row_rel_l2
+from replay_backend.reference.compare import row_rel_l2, worst_row_rel_l2
 from replay_backend.reference.flashinfer_semantics import EmulatedPrefillWrapper
 from replay_backend.reference.runner import StepRunner
 from replay_backend.reference.soak import compare_step
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         errs = compare_step(runner.kv, oracle.kv, reqs, got, want, worst_row_rel_l2)
         envelope = compare_step(noise.kv, oracle.kv, reqs, nudged, want, worst_row_rel_l2)
         over = [c for c in calls if not c.err <= args.limit]
-        far = {k: v for k, v in errs.items() if not v <= BAND_FACTOR * max(envelope[k], REL_FLOOR)}
+        far = {k: v for k, v in errs.items() if not v <= noise_limit(envelope[k])}
         worst = max(calls, key=lambda c: c.err, default=None)
         print(f"{spec}: {len(calls)} FlashInfer calls, worst {worst.err if worst else 0:.3g}; "
               f"{len(over)} above {args.limit} (and {context_over} while building its context)")

@@ -28,6 +28,12 @@ DRIFT_FACTOR = BAND_FACTOR  # the same rule as every 16-bit comparison (compare.
 # Below this relative distance logits agree in any dtype (fp32 reassociation at depth).
 REL_FLOOR = 1e-3
 NUDGE_SEEDS = (0, 1)
+
+
+def noise_limit(envelope: float) -> float:
+    """How far a 16-bit result may lie from its oracle, given the rounding noise
+    ``envelope`` of the same comparison (the oracle one rounding away)."""
+    return BAND_FACTOR * max(envelope, REL_FLOOR)
 CHECK = "check"  # the request id of the check prompt (its tokens follow from the id)
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batch import RequestChunk, kept_len
-from .accuracy import REL_FLOOR, nudged_copy
+from .accuracy import noise_limit, nudged_copy
 from .config import IMPLEMENTATION_FIELDS
-from .compare import BAND_FACTOR, default_tolerance, max_abs_err, worst_row_rel_l2
+from .compare import default_tolerance, max_abs_err, worst_row_rel_l2
 from ..counters import counters
 from .runner import StepOutput, StepRunner
 
@@ -224,8 +224,8 @@ class Soak:
     noise depends on the step, so a 16-bit soak also runs every step through ``noise``,
     the oracle's model with its embedding one rounding away, and measures each part by
     its worst row (relative L2, so one wrong row is not averaged away). A step fails
-    when the compiled runner is more than ``BAND_FACTOR`` times the largest noise the
-    whole run showed for that part away from the oracle."""
+    when the compiled runner lies farther from the oracle than ``noise_limit`` of the
+    largest noise the whole run showed for that part (1.5 times it)."""
 
     def __init__(self, runner: StepRunner, oracle: StepRunner, traffic: Traffic, seed: int,
                  noise: StepRunner | None = None) -> None:
@@ -287,7 +287,7 @@ class Soak:
     def _judged(self) -> tuple[dict, list[Mismatch]]:
         """16-bit: the limits from the envelope the run has shown so far, and the steps
         beyond them."""
-        limits = {part: BAND_FACTOR * max(env, REL_FLOOR) for part, env in self.report.noise.items()}
+        limits = {part: noise_limit(env) for part, env in self.report.noise.items()}
         return limits, [Mismatch(i, spec, kind, part, err) for i, spec, kind, errs in self._steps
                         for part, err in errs.items() if not err <= limits[part]]
 
