@@ -48,8 +48,30 @@ def test_a_slot_the_compiled_step_got_wrong_is_a_mismatch_of_that_step(model):
 
     soak.runner.step = corrupt_step_7
     report = soak.run(12)
-    assert [(m.step, m.what) for m in report.mismatches] == [(7, "swa-replay")], report.render()
+    assert [(m.step, m.what, m.layer) for m in report.mismatches] == [(7, "swa-replay", model.cfg.num_layers - 1)], \
+        report.render()
     assert report.mismatches[0].err == pytest.approx(0.5, rel=1e-3)
+    assert f"swa-replay 0.5 (first at layer {model.cfg.num_layers - 1})" in report.render()
+
+
+def test_a_mismatch_names_the_first_layer_that_went_wrong(model):
+    """Two layers' caches wrong in one step: the mismatch names the lower one, where the
+    step first departed from the oracle (every later layer reads its output)."""
+    soak = make_soak(model, 6)
+    step = soak.runner.step
+
+    def corrupt_step_3(chunks):
+        out = step(chunks)
+        if soak.report.steps == 3:
+            for layer in (3, 1):  # main layers (the cut is 3)
+                slot = written_slots(soak.runner.kv, chunks, out.batch)["swa"][layer][1][0]
+                soak.runner.kv.swa[layer][slot] += 0.25 * layer
+        return out
+
+    soak.runner.step = corrupt_step_3
+    report = soak.run(5)
+    assert [(m.step, m.what, m.layer) for m in report.mismatches] == [(3, "swa", 1)], report.render()
+    assert report.mismatches[0].err == pytest.approx(0.75, rel=1e-3)  # the part's worst: layer 3's
 
 
 def test_written_slots_follow_the_cache_layout(model):
@@ -64,8 +86,13 @@ def test_written_slots_follow_the_cache_layout(model):
     assert parts["swa-replay"][0][1].tolist() == list(range(34, 50))
     cfg = model.cfg
     ratios = [cfg.compress_ratio(s) for s in runner.kv.glob]
-    by_ratio = dict(zip(ratios, (s.tolist() for _, s in parts["global"])))
+    by_ratio = dict(zip(ratios, (s.tolist() for _, s, _ in parts["global"])))
     assert by_ratio[1] == swa and by_ratio[2] == [p // 2 for p in range(31, 50, 2)]
+    # each entry names its layer, in layer order: the first beyond a limit is the first to go wrong
+    assert [layer for _, _, layer in parts["swa"]] == list(range(cfg.cut + 1))
+    assert [layer for _, _, layer in parts["swa-replay"]] == list(range(cfg.cut + 1, cfg.num_layers))
+    assert [layer for _, _, layer in parts["global"]] == sorted(runner.kv.glob)
+    assert [layer for _, _, layer in parts["raw"]] == sorted(runner.kv.raw)
     assert spec_of(chunks + [RequestChunk("b", 1, 9), RequestChunk("c", 40, 40, keep_all=True)]) == \
         "p:20/50,d:1/9,k:40/40"
 

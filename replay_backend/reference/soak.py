@@ -144,6 +144,14 @@ class Mismatch:
     kind: str
     what: str
     err: float
+    # The lowest layer whose cache rows of this part are beyond the limit: where the
+    # step first went wrong, since every later layer reads that layer's output (None:
+    # the logits).
+    layer: int | None = None
+
+    def render(self) -> str:
+        where = "" if self.layer is None else f" (first at layer {self.layer})"
+        return f"MISMATCH step {self.step} [{self.kind}] {self.spec}: {self.what} {self.err:.3g}{where}"
 
 
 @dataclass
@@ -170,15 +178,15 @@ class SoakReport:
             lines.append("rounding-noise envelope per part: " + ", ".join(
                 f"{k} {v:.3g}" for k, v in sorted(self.noise.items())))
         lines.append(f"counters moved while serving: {self.counters_moved or 'none'}")
-        lines += [f"MISMATCH step {m.step} [{m.kind}] {m.spec}: {m.what} {m.err:.3g}" for m in self.mismatches]
+        lines += [m.render() for m in self.mismatches]
         lines.append(f"{len(self.mismatches)} mismatches")
         return "\n".join(lines)
 
 
 def written_slots(caches, chunks: list[RequestChunk], batch, kept_only: bool = True
-                  ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per compared part, (cache tensor, slots) pairs of what the step wrote. The replay
-    layers' SWA counts kept rows only (SPEC §3) unless ``kept_only`` is false."""
+                  ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]:
+    """Per compared part, (cache tensor, slots, layer) of what the step wrote, by layer.
+    The replay layers' SWA counts kept rows only (SPEC §3) unless ``kept_only`` is false."""
     cfg, window = caches.cfg, batch.window
     slots, kept = [], []
     for i, c in enumerate(chunks):
@@ -193,28 +201,43 @@ def written_slots(caches, chunks: list[RequestChunk], batch, kept_only: bool = T
     pairs = slots_t[slots_t % 2 == 1] // 2
     parts: dict[str, list] = {"swa": [], "swa-replay": [], "global": [], "raw": []}
     for layer, swa in enumerate(caches.swa):
-        parts["swa-replay" if layer > cfg.cut else "swa"].append((swa, kept_t if layer > cfg.cut else slots_t))
-    for src, glob in caches.glob.items():
-        parts["global"].append((glob, slots_t if cfg.compress_ratio(src) == 1 else pairs))
-    for raw in caches.raw.values():
-        parts["raw"].append((raw, slots_t))
+        parts["swa-replay" if layer > cfg.cut else "swa"].append((swa, kept_t if layer > cfg.cut else slots_t, layer))
+    for src, glob in sorted(caches.glob.items()):
+        parts["global"].append((glob, slots_t if cfg.compress_ratio(src) == 1 else pairs, src))
+    for src, raw in sorted(caches.raw.items()):
+        parts["raw"].append((raw, slots_t, src))
     return parts
 
 
-def compare_step(got_kv, want_kv, chunks: list[RequestChunk], got, want, err) -> dict[str, float]:
-    """``err(got, want)`` per compared part of one step: the logits, then each part of
-    the cache slots the step wrote (:func:`written_slots`), ``got`` from the runner of
-    ``got_kv`` and ``want`` from that of ``want_kv``. Logits that are not finite are
-    infinitely far."""
-    errs = {"logits": err(got.logits.float(), want.logits.float())}
-    if not torch.isfinite(got.logits).all():
-        errs["logits"] = float("inf")
+def compare_layers(got_kv, want_kv, chunks: list[RequestChunk], got, want, err
+                   ) -> dict[str, list[tuple[int | None, float]]]:
+    """``err(got, want)`` per compared part of one step, layer by layer: the logits
+    (layer None), then each layer's part of the cache slots the step wrote
+    (:func:`written_slots`), ``got`` from the runner of ``got_kv`` and ``want`` from
+    that of ``want_kv``. Logits that are not finite are infinitely far."""
+    logits = err(got.logits.float(), want.logits.float())
+    errs = {"logits": [(None, logits if torch.isfinite(got.logits).all() else float("inf"))]}
     mine, theirs = written_slots(got_kv, chunks, got.batch), written_slots(want_kv, chunks, want.batch)
     for part in mine:
-        a = [t.index_select(0, s).float() for t, s in mine[part]]
-        b = [t.index_select(0, s).float() for t, s in theirs[part]]
-        errs[part] = err(torch.cat(a), torch.cat(b)) if a else 0.0
+        errs[part] = [(layer, err(t.index_select(0, s).float(), w.index_select(0, s).float()))
+                      for (t, s, layer), (w, _, _) in zip(mine[part], theirs[part])]
     return errs
+
+
+def compare_step(got_kv, want_kv, chunks: list[RequestChunk], got, want, err) -> dict[str, float]:
+    """:func:`compare_layers` as one error per part, its worst layer's (``err`` being a
+    worst row's, the same as over all the part's rows at once); 0 for a part no layer has."""
+    return {part: max((e for _, e in errs), default=0.0)
+            for part, errs in compare_layers(got_kv, want_kv, chunks, got, want, err).items()}
+
+
+def first_over(errs: list[tuple[int | None, float]], limit: float) -> tuple[int | None, float] | None:
+    """The lowest layer of a part beyond ``limit`` and the part's worst error, or None
+    where every layer is within it."""
+    over = [layer for layer, e in errs if not e <= limit]
+    if not over:
+        return None
+    return over[0], max(e for _, e in errs)
 
 
 class Soak:
@@ -237,7 +260,8 @@ class Soak:
         self.tolerance = default_tolerance(dtype) if self.exact else None
         self.report = SoakReport(seed, 0, str(dtype).replace("torch.", ""),
                                  "max |d|" if self.exact else "worst row's relative L2")
-        self._steps: list[tuple[int, str, str, dict]] = []  # 16-bit: judged once the envelope is known
+        # 16-bit: each step's errors by part and layer, judged once the envelope is known
+        self._steps: list[tuple[int, str, str, dict]] = []
         # per part of a step: the compiled runner, the oracle, the noise runner (16-bit), the checks
         self.seconds: dict[str, float] = {}
 
@@ -248,15 +272,20 @@ class Soak:
             return max_abs_err(got, want)
         return worst_row_rel_l2(got, want)
 
-    def _compare(self, got: StepOutput, want: StepOutput, runner: StepRunner, chunks) -> dict[str, float]:
-        return compare_step(runner.kv, self.oracle.kv, chunks, got, want, self._err)
+    def _compare(self, got: StepOutput, want: StepOutput, runner: StepRunner, chunks) -> dict[str, list]:
+        return compare_layers(runner.kv, self.oracle.kv, chunks, got, want, self._err)
+
+    @staticmethod
+    def _beyond(i: int, spec: str, kind: str, errs: dict[str, list], limits: dict[str, float]) -> list[Mismatch]:
+        found = ((part, first_over(layers, limits[part])) for part, layers in errs.items())
+        return [Mismatch(i, spec, kind, part, over[1], over[0]) for part, over in found if over is not None]
 
     def _sync(self, runner: StepRunner, got: StepOutput, want: StepOutput, chunks) -> None:
         """Every slot the step wrote takes the oracle's value, trimmed rows included."""
         everything = zip(written_slots(runner.kv, chunks, got.batch, kept_only=False).values(),
                          written_slots(self.oracle.kv, chunks, want.batch, kept_only=False).values())
         for mine_part, theirs_part in everything:
-            for (mine_t, slots), (theirs_t, _) in zip(mine_part, theirs_part):
+            for (mine_t, slots, _), (theirs_t, _, _) in zip(mine_part, theirs_part):
                 mine_t.index_copy_(0, slots, theirs_t.index_select(0, slots))
 
     def run(self, steps: int, log=None, every: int = 50, max_seconds: float | None = None) -> SoakReport:
@@ -274,7 +303,7 @@ class Soak:
             self.one(i)
             if log is not None:
                 for m in rep.mismatches[seen:]:
-                    log(f"MISMATCH step {m.step} [{m.kind}] {m.spec}: {m.what} {m.err:.3g}")
+                    log(m.render())
                 if (i + 1) % every == 0:
                     log(self._progress(i + 1, time.perf_counter() - t0))
         if not self.exact:
@@ -288,8 +317,7 @@ class Soak:
         """16-bit: the limits from the envelope the run has shown so far, and the steps
         beyond them."""
         limits = {part: noise_limit(env) for part, env in self.report.noise.items()}
-        return limits, [Mismatch(i, spec, kind, part, err) for i, spec, kind, errs in self._steps
-                        for part, err in errs.items() if not err <= limits[part]]
+        return limits, [m for step in self._steps for m in self._beyond(*step, limits)]
 
     def _progress(self, done: int, seconds: float) -> str:
         rep, spent = self.report, self.seconds
@@ -316,18 +344,17 @@ class Soak:
         rep.steps += 1
         rep.kinds[kind] += 1
         errs = self._compare(got, want, self.runner, chunks)
-        for part, err in errs.items():
-            rep.worst[part] = max(rep.worst.get(part, 0.0), err)
+        for part, layers in errs.items():
+            rep.worst[part] = max([rep.worst.get(part, 0.0), *(e for _, e in layers)])
         if self.exact:
             rep.limits = dict.fromkeys(errs, self.tolerance)
-            rep.mismatches += [Mismatch(i, spec_of(chunks), kind, part, err) for part, err in errs.items()
-                               if not err <= self.tolerance]
+            rep.mismatches += self._beyond(i, spec_of(chunks), kind, errs, rep.limits)
         else:
             n0 = clock()
             ref = self.noise.step(chunks)
             parts["noise"] = clock() - n0
-            for part, err in self._compare(ref, want, self.noise, chunks).items():
-                rep.noise[part] = max(rep.noise.get(part, 0.0), err)
+            for part, layers in self._compare(ref, want, self.noise, chunks).items():
+                rep.noise[part] = max([rep.noise.get(part, 0.0), *(e for _, e in layers)])
             self._steps.append((i, spec_of(chunks), kind, errs))
             self._sync(self.noise, ref, want, chunks)
         self._sync(self.runner, got, want, chunks)
