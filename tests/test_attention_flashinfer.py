@@ -241,9 +241,3 @@ def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkey
     call = torch.load(dumps[0])
     assert call["out"][30].isnan().all() and call["want"][30].abs().max() > 0
     assert call["plan"]["split"] is False and call["plan"]["window_left"] == 15
-
-
-def test_a_flashinfer_runner_says_it_is_experimental(models):
-    """FlashInfer has not passed its GPU soak: every runner that attends through it says so."""
-    with pytest.warns(UserWarning, match="attention_impl='flashinfer' is experimental"):
-        _runner(models[1])

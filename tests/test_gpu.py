@@ -400,19 +400,39 @@ def test_flashinfer_serving_matches_its_eager_model(model):
 
 
 @needs_flashinfer
-@pytest.mark.xfail(strict=True, reason="some rows disagree on the H200 (docs/testing.md, FlashInfer on the GPU)")
 def test_flashinfer_serving_soak_against_pytorch_attention():
     """A shorter ``scripts/soak.py --model-option attention_impl=flashinfer --oracle-option
-    attention_impl=reference``: the 40-layer tiny preset in bf16 served with FlashInfer in
-    graphs, every step against the same weights with PyTorch's attention, uncompiled."""
+    attention_impl=reference --option compiler=eager``: the 40-layer tiny preset in bf16
+    served with FlashInfer in graphs and trimmed, every step against the same weights
+    with PyTorch's attention, uncompiled. The pieces are FX graphs, not Inductor's: the
+    tiny preset in bf16 under Inductor departs from the eager model whatever attends
+    (the test below), which would hide what FlashInfer does."""
     from replay_backend.reference.soak import soak
 
     fim = build_model(preset("tiny").replace(attention_impl="flashinfer"), "cuda", torch.bfloat16)
     ref = build_model(preset("tiny").replace(attention_impl="reference"), "cuda", torch.bfloat16)
     ref.load_state_dict(fim.state_dict())
     report = soak(fim, 120, seed=12, max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048,
-                  oracle_model=ref)
+                  options={"compiler": "eager"}, oracle_model=ref)
     print(report.render())
     assert report.mismatches == [] and not report.counters_moved.get("fallbacks"), report.render()
     assert {"piecewise/trimmed/replay-graph/io-graphs", "eager/trimmed/replay-graph"} <= set(report.kinds), \
         report.kinds
+
+
+@pytest.mark.xfail(strict=True, reason="the tiny preset in bf16 under Inductor departs from eager in the "
+                                        "main layers' caches (docs/testing.md, known failure)")
+def test_tiny_preset_in_bf16_under_inductor_against_pytorch_attention():
+    """The soak above with Inductor's pieces (the default) and the project's Triton
+    attention: most steps fail, in every step kind, with or without graphs. With FX
+    pieces it passes, and so does the fp32 soak of the same preset
+    (test_serving_soak_at_the_real_window_has_no_mismatch)."""
+    from replay_backend.reference.soak import soak
+
+    model = build_model(preset("tiny").replace(attention_impl="triton"), "cuda", torch.bfloat16)
+    ref = build_model(preset("tiny").replace(attention_impl="reference"), "cuda", torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    report = soak(model, 8, seed=12, max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048,
+                  oracle_model=ref)
+    print(report.render())
+    assert report.mismatches == [], report.render()

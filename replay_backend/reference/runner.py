@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -83,13 +82,6 @@ def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, in
     return steps
 
 
-# Raised by every runner that attends through FlashInfer while its GPU soak does not
-# pass (docs/testing.md): a wrong row would be silent otherwise.
-FLASHINFER_UNVERIFIED = (
-    "attention_impl='flashinfer' is experimental (docs/testing.md, FlashInfer on the GPU): check your "
-    "model with scripts/soak.py --oracle-option attention_impl=reference before relying on it")
-
-
 class StepRunner:
     def __init__(self, model: DSv41Mini, *, max_num_seqs: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 16384, forward: Callable | None = None,
@@ -109,7 +101,6 @@ class StepRunner:
         if self.cfg.attention_impl == "flashinfer":
             if attention_wrapper_factory is None:
                 check_supported(self.device, self.dtype)
-            warnings.warn(FLASHINFER_UNVERIFIED, stacklevel=2)
             rows = max(max_num_batched_tokens, backend.config.max_num_batched_tokens if backend else 0) + 1
             self.attention = FlashInferAttention(self.cfg, self.kv.swa[0].shape[0], max_num_seqs, rows,
                                                  max_model_len, self.device, self.dtype, attention_wrapper_factory)
