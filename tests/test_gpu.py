@@ -436,3 +436,46 @@ def test_tiny_preset_in_bf16_under_inductor_against_pytorch_attention():
                   oracle_model=ref)
     print(report.render())
     assert report.mismatches == [], report.render()
+
+
+def check_ffn_sublayer_under_inductor(name: str, device: str = "cuda") -> dict[int, dict[str, float]]:
+    """One FFN sublayer of ``name`` in bf16 (the mHC merge, mixes and collapse, the norm,
+    the router and the routed experts), compiled by Inductor with the token count
+    dynamic, against the same code eager: each output's worst row's relative L2, per
+    token count."""
+    from replay_backend.reference.compare import worst_row_rel_l2
+
+    model = build_model(preset(name).with_layers(2, (0,)), device, torch.bfloat16)
+    cfg, blk = model.cfg, model.layers[0]
+
+    def sublayer(hidden, residual, post, comb, prev_pre):
+        (out, stream, post, comb), pre = model._sublayer(blk.ffn_hc, blk.ffn, (hidden, residual, post, comb),
+                                                         prev_pre)
+        return out, stream, pre, post, comb
+
+    compiled = torch.compile(sublayer, backend="inductor", dynamic=True)
+    gen = torch.Generator(device).manual_seed(0)
+    errs = {}
+    with torch.no_grad():
+        for t in (1, 3, 16, 100, 777, 2048):
+            residual = torch.randn(t, cfg.hc_mult, cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+            hidden = (0.1 * torch.randn(t, cfg.hidden_size, generator=gen, device=device)).to(torch.bfloat16)
+            prev_pre, post, comb = blk.attn_hc(residual)
+            args = (hidden, residual, post, comb, prev_pre)
+            want, got = sublayer(*args), compiled(*args)
+            errs[t] = {k: worst_row_rel_l2(g.float().flatten(1), w.float().flatten(1))
+                       for k, g, w in zip(("out", "stream", "pre", "post", "comb"), got, want)}
+    return errs
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini-2k"])
+def test_inductor_runs_an_ffn_sublayer_in_bf16_as_eager_does(name):
+    """bf16 on CUDA is where the mHC mixes and the router take ``mm_fp32``'s GEMM with
+    an fp32 result and the MoE its grouped op: code the CPU tests never compile. One
+    sublayer by Inductor against eager, row by row (the known failure of the tiny
+    preset under Inductor, docs/testing.md, starts here if this fails)."""
+    errs = check_ffn_sublayer_under_inductor(name)
+    print(errs)
+    # A wrong row is O(1) away. Rounding is not: the MoE output's worst row, whose routing
+    # weights are small leads between near-equal scores, is up to 0.05 on the CPU.
+    assert all(e < 0.25 for per_t in errs.values() for e in per_t.values()), errs
