@@ -282,6 +282,13 @@ TINY = preset("tiny")
         (dict(moe_permute_impl="sort"), "moe_permute_impl must be auto, reference or triton, got 'sort'"),
         (dict(attention_split="no"), "attention_split must be true or false, got 'no'"),
         (dict(sinkhorn_impl="triton"), "sinkhorn_impl must be reference or fused, got 'triton'"),
+        # a value of the wrong type is named as such, before any comparison trips on it
+        (dict(window="x"), "window must be an integer, got 'x'"),
+        (dict(window=1.5), "window must be an integer, got 1.5"),
+        (dict(num_layers=True), "num_layers must be an integer, got True"),
+        (dict(rms_eps="small"), "rms_eps must be a number, got 'small'"),
+        (dict(attention_impl=3), "attention_impl must be a string, got 3"),
+        (dict(kv_source_layer_ids=[2, 8]), r"kv_source_layer_ids must be a tuple of layer ids, got \[2, 8\]"),
     ],
 )
 def test_model_config_validation(changes, match):

@@ -244,8 +244,10 @@ def test_max_seconds_counts_from_the_start_and_keeps_the_stock_peer_from_startin
 def test_model_options_take_one_layer_id_as_a_list_of_one():
     cfg = bench._model_config(SimpleNamespace(preset="tiny", model_option=["kv_source_layer_ids=1", "num_layers=4"]))
     assert cfg.kv_source_layer_ids == (1,) and cfg.num_layers == 4
-    with pytest.raises(ValueError, match="--model-option: .*no_such_field"):
+    with pytest.raises(ValueError, match="--model-option no_such_field: not a model config field; the fields are name,"):
         bench._model_config(SimpleNamespace(preset="tiny", model_option=["no_such_field=1"]))
+    with pytest.raises(ValueError, match="--model-option: invalid ModelConfig: window must be an integer, got 'x'"):
+        bench._model_config(SimpleNamespace(preset="tiny", model_option=["window=x"]))
 
 
 def _refuse_peer(compile_fn):

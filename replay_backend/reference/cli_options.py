@@ -31,11 +31,16 @@ def parse_options(items: list[str] | None, flag: str = "--option") -> dict:
 def model_config(name: str, items: list[str] | None, flag: str = "--model-option"):
     """Preset ``name`` with ``flag`` overrides (``attention_impl=flashinfer``,
     ``kv_source_layer_ids=2,8``); errors name ``flag``."""
+    import dataclasses
+
     from .config import preset
 
     base = preset(name)
+    fields = [f.name for f in dataclasses.fields(base)]
     overrides = {}
     for k, v in parse_options(items, flag).items():
+        if k not in fields:
+            raise ValueError(f"{flag} {k}: not a model config field; the fields are {', '.join(fields)}")
         if isinstance(v, list):
             v = tuple(v)
         elif isinstance(getattr(base, k, None), tuple):  # one layer id parses as a number
@@ -43,5 +48,5 @@ def model_config(name: str, items: list[str] | None, flag: str = "--model-option
         overrides[k] = v
     try:
         return preset(name, **overrides)
-    except TypeError as e:
+    except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None

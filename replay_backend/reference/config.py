@@ -57,6 +57,10 @@ class ModelConfig:
     sinkhorn_impl: str = "fused"
 
     def __post_init__(self) -> None:
+        wrong = [f"{f.name} must be {_TYPE_NAMES[f.type]}, got {getattr(self, f.name)!r}"
+                 for f in dataclasses.fields(self) if not _of_type(getattr(self, f.name), f.type)]
+        if wrong:  # the checks below compare values, which a wrong type would break first
+            raise ValueError("invalid ModelConfig: " + "; ".join(wrong))
         problems = []
         srcs = list(self.kv_source_layer_ids)
         if not srcs:
@@ -82,8 +86,6 @@ class ModelConfig:
             problems.append(f"moe_impl must be auto, dense or grouped, got {self.moe_impl!r}")
         if self.moe_permute_impl not in ("auto", "reference", "triton"):
             problems.append(f"moe_permute_impl must be auto, reference or triton, got {self.moe_permute_impl!r}")
-        if not isinstance(self.attention_split, bool):
-            problems.append(f"attention_split must be true or false, got {self.attention_split!r}")
         if self.sinkhorn_impl not in ("reference", "fused"):
             problems.append(f"sinkhorn_impl must be reference or fused, got {self.sinkhorn_impl!r}")
         if problems:
@@ -133,6 +135,20 @@ class ModelConfig:
         of this one (``IMPLEMENTATION_FIELDS`` aside)."""
         return [f.name for f in dataclasses.fields(self)
                 if f.name not in IMPLEMENTATION_FIELDS and getattr(self, f.name) != getattr(other, f.name)]
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+               "tuple[int, ...]": "a tuple of layer ids"}
+
+
+def _of_type(value, annotation: str) -> bool:
+    """Whether ``value`` is of a field's declared type (bool is not an integer here)."""
+    if annotation == "tuple[int, ...]":
+        return isinstance(value, tuple) and all(_of_type(v, "int") for v in value)
+    if annotation in ("int", "float") and isinstance(value, bool):
+        return False
+    kinds = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    return isinstance(value, kinds[annotation])
 
 
 # The fields that choose how the model computes, not what: two configs that differ only
