@@ -43,7 +43,7 @@ def model_config(name: str, items: list[str] | None, flag: str = "--model-option
             raise ValueError(f"{flag} {k}: not a model config field; the fields are {', '.join(fields)}")
         if isinstance(v, list):
             v = tuple(v)
-        elif isinstance(getattr(base, k, None), tuple):  # one layer id parses as a number
+        elif isinstance(getattr(base, k), tuple):  # one layer id parses as a number
             v = (v,)
         overrides[k] = v
     try:

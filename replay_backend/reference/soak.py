@@ -224,11 +224,15 @@ def compare_layers(got_kv, want_kv, chunks: list[RequestChunk], got, want, err
     return errs
 
 
-def compare_step(got_kv, want_kv, chunks: list[RequestChunk], got, want, err) -> dict[str, float]:
-    """:func:`compare_layers` as one error per part, its worst layer's (``err`` being a
+def per_part(errs: dict[str, list[tuple[int | None, float]]]) -> dict[str, float]:
+    """:func:`compare_layers`' errors as one per part, its worst layer's (``err`` being a
     worst row's, the same as over all the part's rows at once); 0 for a part no layer has."""
-    return {part: max((e for _, e in errs), default=0.0)
-            for part, errs in compare_layers(got_kv, want_kv, chunks, got, want, err).items()}
+    return {part: max((e for _, e in layers), default=0.0) for part, layers in errs.items()}
+
+
+def compare_step(got_kv, want_kv, chunks: list[RequestChunk], got, want, err) -> dict[str, float]:
+    """:func:`compare_layers` as one error per part (:func:`per_part`)."""
+    return per_part(compare_layers(got_kv, want_kv, chunks, got, want, err))
 
 
 def first_over(errs: list[tuple[int | None, float]], limit: float) -> tuple[int | None, float] | None:
@@ -344,8 +348,8 @@ class Soak:
         rep.steps += 1
         rep.kinds[kind] += 1
         errs = self._compare(got, want, self.runner, chunks)
-        for part, layers in errs.items():
-            rep.worst[part] = max([rep.worst.get(part, 0.0), *(e for _, e in layers)])
+        for part, err in per_part(errs).items():
+            rep.worst[part] = max(rep.worst.get(part, 0.0), err)
         if self.exact:
             rep.limits = dict.fromkeys(errs, self.tolerance)
             rep.mismatches += self._beyond(i, spec_of(chunks), kind, errs, rep.limits)
@@ -353,8 +357,8 @@ class Soak:
             n0 = clock()
             ref = self.noise.step(chunks)
             parts["noise"] = clock() - n0
-            for part, layers in self._compare(ref, want, self.noise, chunks).items():
-                rep.noise[part] = max([rep.noise.get(part, 0.0), *(e for _, e in layers)])
+            for part, err in per_part(self._compare(ref, want, self.noise, chunks)).items():
+                rep.noise[part] = max(rep.noise.get(part, 0.0), err)
             self._steps.append((i, spec_of(chunks), kind, errs))
             self._sync(self.noise, ref, want, chunks)
         self._sync(self.runner, got, want, chunks)
