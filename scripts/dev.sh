@@ -29,6 +29,8 @@ job="${1:-demo}"
 shift || true
 case "$job" in
     demo) exec "$venv/bin/replay-backend" demo "$@" ;;
-    test) exec "$py" -m pytest -q "$@" ;;
+    # One worker per core: the suite is mostly single-threaded Python (tracing, Inductor's
+    # codegen), so the workers overlap. `-n 0` runs it in this process.
+    test) exec "$py" -m pytest -q -n auto "$@" ;;
     *) echo "usage: bash scripts/dev.sh demo|test [args...]" >&2; exit 2 ;;
 esac
