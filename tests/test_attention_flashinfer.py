@@ -130,6 +130,26 @@ def test_compiled_model_plans_each_view_before_it_is_read(models):
             assert set(w.inner.plan_rows) == {slot}, (slot, w.inner.plan_rows)
 
 
+def test_graph_plans_may_list_more_pages_than_the_cache_has_slots(models):
+    """Capture's dummy requests all read the same slots, so the plan of a replay graph
+    larger than the cache (graphs up to the token budget, the trim threshold above them,
+    one short request) lists more page indices than there are slots: the graph's
+    page-index buffer must hold them."""
+    ref, fim = models
+    sizes = [8, 16, 32, 64, 128, 256]
+    backend = ReplayBackend(compiler="eager", max_num_seqs=1, max_num_batched_tokens=256,
+                            max_cudagraph_capture_size=256, cudagraph_capture_sizes=sizes, strict=True)
+    kw = dict(max_num_seqs=1, max_model_len=130, max_num_batched_tokens=256)
+    runner = StepRunner(fim, backend=backend, attention_wrapper_factory=flashinfer_semantics.factory, **kw)
+    oracle = StepRunner(ref, **kw)
+    assert runner.attention.num_slots < max(sizes)
+    runner.capture()
+    assert any(isinstance(slot, int) and slot > runner.attention.num_slots for slot, _ in runner.attention._wrappers)
+    got, want = runner.step([RequestChunk("a", 120, 120)]), oracle.step([RequestChunk("a", 120, 120)])
+    assert got.trim.graph, got.trim
+    assert max_abs_err(got.logits, want.logits) < 1e-4
+
+
 def test_flashinfer_needs_its_package_cuda_and_a_16_bit_model(models):
     _, fim = models
     with pytest.raises(ValueError, match="attention_impl='flashinfer'"):

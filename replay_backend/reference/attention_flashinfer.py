@@ -297,7 +297,7 @@ class FlashInferAttention:
                                                                        (3 * b + 2, b)))
             at += 4 * b + 2
             k = lay.kv_indices.numel()
-            wrapper = self._wrapper(slot, part, size, b)
+            wrapper = self._wrapper(slot, part, size, b, k)
             kind, _ = part
             wrapper.plan(qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
                          paged_kv_last_page_len=last, seq_lens=lens, num_qo_heads=self.cfg.num_heads,
@@ -312,15 +312,20 @@ class FlashInferAttention:
             planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm)
         return planned
 
-    def _wrapper(self, slot, part, size: int | None, batch: int) -> _Wrapper:
+    def _wrapper(self, slot, part, size: int | None, batch: int, pages: int) -> _Wrapper:
+        """The wrapper of ``(slot, part)``, made on its first plan, of ``batch`` requests
+        listing ``pages`` page indices."""
         w = self._wrappers.get((slot, part))
         if w is None:
             buffers = None
             if size is not None:  # CUDA-graph mode: fixed addresses, refilled by each plan
                 i32 = dict(dtype=torch.int32, device=self.device)
+                # A served view's requests own disjoint slots, so its page table is at most
+                # the cache's slot count; the first plan is capture's, whose dummy requests
+                # all read the same slots, and a graph larger than the cache lists more.
                 buffers = {"qo_indptr_buf": torch.zeros(batch + 1, **i32),
                            "paged_kv_indptr_buf": torch.zeros(batch + 1, **i32),
-                           "paged_kv_indices_buf": torch.zeros(self.num_slots, **i32),
+                           "paged_kv_indices_buf": torch.zeros(max(self.num_slots, pages), **i32),
                            "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
             split = size is None or self._graph_splits(size)
             w = self._wrappers[(slot, part)] = _Wrapper(self.factory(buffers), self.cuda, split)

@@ -12,7 +12,8 @@ request i's query rows are ``qo_indptr[i]:qo_indptr[i+1]`` and its keys the page
 log-sum-exp is base 2; a row that sees no key gets output 0 and lse -inf (FlashInfer's
 own is a large negative number: either weighs nothing). As the real wrapper does,
 ``run`` refuses a query whose row count is not the plan's, and a CUDA-graph wrapper
-refuses a plan whose request count differs from its buffers'. A causal request with
+refuses a plan whose request count differs from its buffers', or whose page table is
+longer than its page-index buffer. A causal request with
 keys but fewer keys than rows is refused at ``plan``: FlashInfer's kernels mask such a
 request wrongly (they compute the mask's start from ``K - L`` unsigned). As there, a
 wrapper allocates buffers when made and ``plan`` copies into them in place (a wrapper
@@ -49,6 +50,8 @@ class EmulatedPrefillWrapper:
                              f"{rows[short].tolist()}), which FlashInfer's causal mask gets wrong")
         self.kv_lens_buffer[:batch].copy_(seq_lens)
         if self.graph_buffers is not None:
+            if paged_kv_indices.numel() > self.graph_buffers["paged_kv_indices_buf"].numel():
+                raise ValueError("The length of paged_kv_indices exceeds the allocated buffer size.")
             self.graph_buffers["qo_indptr_buf"].copy_(qo_indptr)
             self.graph_buffers["paged_kv_indptr_buf"].copy_(paged_kv_indptr)
             self.graph_buffers["paged_kv_indices_buf"][:paged_kv_indices.numel()].copy_(paged_kv_indices)
