@@ -468,7 +468,10 @@ def check_ffn_sublayer_under_inductor(name: str, device: str = "cuda") -> dict[i
     return errs
 
 
-@pytest.mark.parametrize("name", ["tiny", "mini-2k"])
+@pytest.mark.parametrize("name", [
+    pytest.param("tiny", marks=pytest.mark.xfail(strict=True, reason="the known failure of the tiny preset in bf16 "
+                                                 "under Inductor (docs/testing.md): rows wrong from 777 tokens")),
+    "mini-2k"])
 def test_inductor_runs_an_ffn_sublayer_in_bf16_as_eager_does(name):
     """bf16 on CUDA is where the mHC mixes and the router take ``mm_fp32``'s GEMM with
     an fp32 result and the MoE its grouped op: code the CPU tests never compile. One
