@@ -399,6 +399,32 @@ def test_flashinfer_serving_matches_its_eager_model(model):
     check_compositions(fim, "eager", None)
 
 
+# The bench's wide setting, scaled down: graphs of every power of two up to the token
+# budget, one sequence at a time.
+WIDE_SIZES = [2 ** i for i in range(12)]
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("max_model_len", [1000, 4100])
+def test_flashinfer_serves_with_graphs_up_to_the_token_budget(model, max_model_len):
+    """Replay graphs up to 2,048 rows, over a cache smaller than the largest (capture's
+    dummy requests then list more pages than the cache has slots) and larger than it;
+    then a prompt as long as the cache allows, in budget-sized chunks, against the same
+    model uncompiled."""
+    fim = build_model(CFG.replace(attention_impl="flashinfer"), "cuda", torch.bfloat16)
+    fim.load_state_dict(model.state_dict())
+    budget = WIDE_SIZES[-1]
+    backend = ReplayBackend(compiler="eager", strict=True, max_num_seqs=1, max_num_batched_tokens=budget,
+                            max_cudagraph_capture_size=budget, cudagraph_capture_sizes=WIDE_SIZES)
+    kw = dict(max_num_seqs=1, max_model_len=max_model_len, max_num_batched_tokens=budget)
+    runner, oracle = StepRunner(fim, backend=backend, **kw), StepRunner(fim, **kw)
+    runner.capture()
+    torch.cuda.synchronize()
+    n = max_model_len - 2
+    got, want = runner.prefill({"a": n})["a"], oracle.prefill({"a": n})["a"]
+    assert within_band(got, want), max_abs_err(got, want)
+
+
 @needs_flashinfer
 def test_flashinfer_serving_soak_against_pytorch_attention():
     """A shorter ``scripts/soak.py --model-option attention_impl=flashinfer --oracle-option
