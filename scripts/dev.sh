@@ -29,8 +29,10 @@ job="${1:-demo}"
 shift || true
 case "$job" in
     demo) exec "$venv/bin/replay-backend" demo "$@" ;;
-    # One worker per core: the suite is mostly single-threaded Python (tracing, Inductor's
-    # codegen), so the workers overlap. `-n 0` runs it in this process.
-    test) exec "$py" -m pytest -q -n auto "$@" ;;
+    # One worker per core, at most four (each holds its own torch and models): the suite
+    # is mostly single-threaded Python (tracing, Inductor's codegen), so the workers
+    # overlap. `-n 0` runs it in this process.
+    test) workers=$(nproc 2>/dev/null || echo 1)
+          exec "$py" -m pytest -q -n "$(( workers < 4 ? workers : 4 ))" "$@" ;;
     *) echo "usage: bash scripts/dev.sh demo|test [args...]" >&2; exit 2 ;;
 esac

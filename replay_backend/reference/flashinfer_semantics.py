@@ -13,9 +13,9 @@ log-sum-exp is base 2; a row that sees no key gets output 0 and lse -inf (FlashI
 own is a large negative number: either weighs nothing). As the real wrapper does,
 ``run`` refuses a query whose row count is not the plan's, and a CUDA-graph wrapper
 refuses a plan whose request count differs from its buffers', or whose page table is
-longer than its page-index buffer. A causal request with
-keys but fewer keys than rows is refused at ``plan``: FlashInfer's kernels mask such a
-request wrongly (they compute the mask's start from ``K - L`` unsigned). As there, a
+longer than its page-index buffer. A causal request with keys but fewer keys than rows
+is refused at ``plan``: FlashInfer's kernels mask such a request wrongly (they compute
+the mask's start from ``K - L`` unsigned). As there, a
 wrapper allocates buffers when made and ``plan`` copies into them in place (a wrapper
 made under ``torch.inference_mode`` cannot plan outside it).
 """
