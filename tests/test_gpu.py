@@ -6,6 +6,7 @@ import torch
 
 from replay_backend import RequestChunk, StepRunner, build_model, preset
 from replay_backend.backend import ReplayBackend
+from replay_backend.bench.run import WIDE_SIZES
 from replay_backend.reference.compare import kept_kv, max_abs_err, max_abs_err_kv, within_band
 from replay_backend.counters import counters
 from replay_backend.reference import attention_flashinfer
@@ -399,11 +400,6 @@ def test_flashinfer_serving_matches_its_eager_model(model):
     check_compositions(fim, "eager", None)
 
 
-# The bench's wide setting, scaled down: graphs of every power of two up to the token
-# budget, one sequence at a time.
-WIDE_SIZES = [2 ** i for i in range(12)]
-
-
 @needs_flashinfer
 @pytest.mark.parametrize("max_model_len", [1000, 4100])
 def test_flashinfer_serves_with_graphs_up_to_the_token_budget(model, max_model_len):
@@ -413,13 +409,14 @@ def test_flashinfer_serves_with_graphs_up_to_the_token_budget(model, max_model_l
     model uncompiled."""
     fim = build_model(CFG.replace(attention_impl="flashinfer"), "cuda", torch.bfloat16)
     fim.load_state_dict(model.state_dict())
-    budget = WIDE_SIZES[-1]
+    budget = 2048  # the bench's wide setting, scaled down, one sequence at a time
+    sizes = [s for s in WIDE_SIZES if s <= budget]
     backend = ReplayBackend(compiler="eager", strict=True, max_num_seqs=1, max_num_batched_tokens=budget,
-                            max_cudagraph_capture_size=budget, cudagraph_capture_sizes=WIDE_SIZES)
+                            max_cudagraph_capture_size=budget, cudagraph_capture_sizes=sizes)
     kw = dict(max_num_seqs=1, max_model_len=max_model_len, max_num_batched_tokens=budget)
     runner, oracle = StepRunner(fim, backend=backend, **kw), StepRunner(fim, **kw)
     runner.capture()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # a fault in capture's warm-up runs surfaces here, not in a later step
     n = max_model_len - 2
     got, want = runner.prefill({"a": n})["a"], oracle.prefill({"a": n})["a"]
     assert within_band(got, want), max_abs_err(got, want)

@@ -15,9 +15,9 @@ own is a large negative number: either weighs nothing). As the real wrapper does
 refuses a plan whose request count differs from its buffers', or whose page table is
 longer than its page-index buffer. A causal request with keys but fewer keys than rows
 is refused at ``plan``: FlashInfer's kernels mask such a request wrongly (they compute
-the mask's start from ``K - L`` unsigned). As there, a
-wrapper allocates buffers when made and ``plan`` copies into them in place (a wrapper
-made under ``torch.inference_mode`` cannot plan outside it).
+the mask's start from ``K - L`` unsigned). As there, a wrapper allocates buffers when
+made and ``plan`` copies into them in place (a wrapper made under
+``torch.inference_mode`` cannot plan outside it).
 """
 from __future__ import annotations
 
