@@ -150,6 +150,62 @@ def test_graph_plans_may_list_more_pages_than_the_cache_has_slots(models):
     assert max_abs_err(got.logits, want.logits) < 1e-4
 
 
+def _run_graph_plans(att, view, size: int, cache: torch.Tensor) -> None:
+    """Plan ``view`` for a replay graph of ``size`` rows and run each part's plan."""
+    att.prepare(view, size)
+    q = torch.randn(size, att.cfg.num_heads, att.cfg.head_dim)
+    for planned in view.derived[fi.PLAN].values():
+        fi._run(planned, q, cache)
+
+
+def test_graph_plans_that_do_not_split_read_a_cleared_work_list(models):
+    """A large replay graph's plan does not split its keys: FlashInfer then launches the
+    graph's worst-case count of blocks, and those past the plan's work list read what
+    that memory held before. Each wrapper is made with it cleared, so they read zeros or
+    an earlier plan's entries, never a wild request index (the emulation faults as the
+    GPU did, with an illegal memory access, where the memory is not cleared)."""
+    _, fim = models
+    runner = _runner(fim, max_num_batched_tokens=1024)
+    att, size = runner.attention, 1024
+    assert not att.graphs_split and not att._graph_splits(size)
+    cache = torch.randn(att.num_slots, att.cfg.head_dim)
+    for reqs in ([RequestChunk("a", 40, 40)], [RequestChunk("b", 300, 300), RequestChunk("c", 9, 9)]):
+        batch = runner.build_batch(reqs)
+        _run_graph_plans(att, batch.view, size, cache)
+    wrappers = [w for (slot, _), w in att._wrappers.items() if slot == size]
+    assert wrappers and all(not w.split and w.inner.work[0] < w.inner.work[1] for w in wrappers)
+
+
+class NoPlanMemoryWrapper(flashinfer_semantics.EmulatedPrefillWrapper):
+    """A FlashInfer that keeps its plans' work list elsewhere: nothing to clear."""
+
+    def __init__(self, graph_buffers) -> None:
+        super().__init__(graph_buffers)
+        del self._pin_memory_int_workspace_buffer
+
+
+def test_without_plan_memory_to_clear_every_graph_plan_splits(models):
+    """Where the adapter does not find the plan memory, graph plans take FlashInfer's
+    guarded path (every one splits, with the float workspace for a graph's worst case):
+    a counted, logged fallback, an error when strict."""
+    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.counters import counters
+
+    _, fim = models
+    args = (fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 4097, MAX_MODEL_LEN, "cpu", torch.float32)
+    usual = fi.FlashInferAttention(*args, factory=flashinfer_semantics.factory)
+    with counters.expect(fallbacks={"flashinfer_graph_split": 1}):
+        att = fi.FlashInferAttention(*args, factory=NoPlanMemoryWrapper)
+    assert att.graphs_split and att._graph_splits(1024) and not usual._graph_splits(1024)
+    assert att.float_bytes > usual.float_bytes
+    runner = _runner(fim, max_num_batched_tokens=1024)
+    batch = runner.build_batch([RequestChunk("a", 40, 40)])
+    _run_graph_plans(att, batch.view, 1024, torch.randn(att.num_slots, att.cfg.head_dim))
+    assert all(w.split for w in att._wrappers.values())
+    with pytest.raises(StrictFallbackError, match="flashinfer_graph_split"):
+        fi.FlashInferAttention(*args, factory=NoPlanMemoryWrapper, strict=True)
+
+
 def test_flashinfer_needs_its_package_cuda_and_a_16_bit_model(models):
     _, fim = models
     with pytest.raises(ValueError, match="attention_impl='flashinfer'"):

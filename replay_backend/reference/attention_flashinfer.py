@@ -30,11 +30,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from ..capture.graphs import StrictFallbackError
+from ..counters import counters
+from . import flashinfer_compat
 from .attention_merge import merge
+
+log = logging.getLogger("replay_backend")
 
 # Where a view's plans wait for the attention ops (``AttnView.derived``): the plans the
 # layers about to run read, and every plan made for the view, by slot.
@@ -205,14 +211,15 @@ class FlashInferAttention:
     ``factory(graph_buffers)`` makes a wrapper (``graph_buffers``: None, or the
     CUDA-graph buffers by FlashInfer's argument names); the default makes FlashInfer's
     ``BatchPrefillWithPagedKVCacheWrapper`` on this object's workspaces. The CPU tests
-    pass an emulation of it."""
+    pass an emulation of it. ``strict``: the ``flashinfer_graph_split`` fallback (below)
+    is an error."""
 
     # Outside inference mode: a wrapper's buffers and workspaces outlive the call that
     # made them and every plan updates them in place, which an inference tensor refuses
     # outside inference mode; runners plan both inside it (steps) and outside (capture).
     @torch.inference_mode(False)
     def __init__(self, cfg, num_slots: int, max_num_seqs: int, max_rows: int, max_request_rows: int, device,
-                 dtype, factory=None) -> None:
+                 dtype, factory=None, strict: bool = False) -> None:
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
@@ -220,17 +227,30 @@ class FlashInferAttention:
         self.programs = _programs(self.device)
         ratios = cfg.global_ratios
         heads, d = cfg.num_heads, cfg.head_dim
-        # A plan splits its keys (scratch in the float workspace) only into at most
-        # ``programs`` work items of at most 128 rows, FlashInfer's scratch being per query
-        # head: the largest scratch any plan takes. Graph plans keep that bound by
-        # splitting only where they have fewer items (_graph_splits).
-        self.float_bytes = heads * self.programs * 128 * (d + 1) * 4 + (1 << 20)
         # Work items (three int32 arrays), per-request and per-row arrays, alignment.
         batch = self.graph_batch(max_rows) * max(ratios | {1})
         items = self.programs + -(-max_rows * heads // 16) + batch
         self.int_bytes = 16 * (items + max_rows + batch) + (64 << 10)
         self.factory = factory or self._flashinfer_wrapper
-        self.workspace = torch.zeros(self.float_bytes if factory is None else 1, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(1, dtype=torch.uint8, device=device)  # the probe's, below
+        # A graph plan that does not split reads its work list past the end, which must
+        # start cleared (flashinfer_compat). Where this FlashInfer's cannot be, every
+        # graph plan splits: FlashInfer's guarded path, at the cost of scratch and a merge.
+        self.graphs_split = not flashinfer_compat.clear_plan_memory(self.factory(None))
+        if self.graphs_split:
+            _split_fallback(strict)
+        # A plan splits its keys (scratch in the float workspace) only into at most
+        # ``programs`` work items of at most 128 rows, FlashInfer's scratch being per query
+        # head: the largest scratch any plan takes. Graph plans keep that bound by
+        # splitting only where they have fewer items (_graph_splits); where every graph
+        # plan splits, a graph's worst case: a tile of up to 128 rows per row tile, and a
+        # partial tile per request.
+        rows = self.programs * 128
+        if self.graphs_split:
+            rows = max(rows, max_rows * heads + 128 * self.graph_batch(max_rows))
+        self.float_bytes = heads * rows * (d + 1) * 4 + (1 << 20)
+        if factory is None:
+            self.workspace = torch.zeros(self.float_bytes, dtype=torch.uint8, device=device)
         replay = cfg.replay_layers
         src = cfg.global_source(replay[0]) if len(replay) else None
         # What the layers read: every part on the whole batch, the replay layers' on a replay view.
@@ -275,7 +295,8 @@ class FlashInferAttention:
         # FlashInfer's CUDA-graph plans always split, into at least ``programs`` items,
         # or its worst-case tile count for the graph's rows where that is more: split only
         # below it, where the rows alone leave the GPU short of work.
-        return -(-size * self.cfg.num_heads // 16) + self.graph_batch(size) - 1 < self.programs
+        return (self.graphs_split
+                or -(-size * self.cfg.num_heads // 16) + self.graph_batch(size) - 1 < self.programs)
 
     def _plan(self, slot, layouts: dict, size: int | None) -> dict:
         # One host tensor for every part's arrays, pinned, so that the plans' copies do
@@ -328,7 +349,10 @@ class FlashInferAttention:
                            "paged_kv_indices_buf": torch.zeros(max(self.num_slots, pages), **i32),
                            "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
             split = size is None or self._graph_splits(size)
-            w = self._wrappers[(slot, part)] = _Wrapper(self.factory(buffers), self.cuda, split)
+            inner = self.factory(buffers)
+            if not split and not flashinfer_compat.clear_plan_memory(inner):  # pragma: no cover
+                raise RuntimeError("a FlashInfer wrapper without the plan memory that the start-up probe's had")
+            w = self._wrappers[(slot, part)] = _Wrapper(inner, self.cuda, split)
         return w
 
     def _flashinfer_wrapper(self, graph_buffers: dict | None):
@@ -339,6 +363,17 @@ class FlashInferAttention:
         # model's plans need far less, and a runner holds two wrappers per replay size.
         w.reset_workspace_buffer(self.workspace, torch.empty(self.int_bytes, dtype=torch.uint8, device=self.device))
         return w
+
+
+def _split_fallback(strict: bool) -> None:
+    why = ("this FlashInfer does not keep a plan's work list where flashinfer_compat clears it, so every "
+           "replay-graph plan splits its keys (FlashInfer's guarded CUDA-graph path: more float workspace "
+           "and a merge kernel per call)")
+    if strict:
+        raise StrictFallbackError(f"flashinfer_graph_split: {why} (strict=True turns fallbacks into errors)")
+    counters.fallbacks["flashinfer_graph_split"] += 1
+    if counters.fallbacks["flashinfer_graph_split"] == 1:
+        log.warning("dsv41_replay fallback [flashinfer_graph_split]: %s", why)
 
 
 # ---- running (inside the attention op, and inside graphs) ----------------------------

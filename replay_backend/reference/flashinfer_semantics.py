@@ -18,6 +18,13 @@ is refused at ``plan``: FlashInfer's kernels mask such a request wrongly (they c
 the mask's start from ``K - L`` unsigned). As there, a wrapper allocates buffers when
 made and ``plan`` copies into them in place (a wrapper made under
 ``torch.inference_mode`` cannot plan outside it).
+
+A CUDA-graph plan that does not split its keys lists one work item per row tile of
+each request, staged in a pinned host buffer and copied whole into the int workspace,
+and the kernel launches the graph's worst-case count of blocks: the blocks past the
+list read what the staging buffer held before (reference/flashinfer_compat.py). The
+emulation's buffer starts with bytes that are no request index, and ``run`` raises
+where such a block would read out of bounds, as the GPU faults.
 """
 from __future__ import annotations
 
@@ -25,12 +32,18 @@ import math
 
 import torch
 
+WORK_BYTES = 1 << 20  # the emulated int workspace
+
 
 class EmulatedPrefillWrapper:
     def __init__(self, graph_buffers: dict | None) -> None:
         self.graph_batch = None if graph_buffers is None else graph_buffers["qo_indptr_buf"].numel() - 1
         self.graph_buffers = graph_buffers
         self.kv_lens_buffer = torch.empty(32768, dtype=torch.int32)  # FlashInfer's own size
+        # FlashInfer 0.6.13's names; the staging buffer as a reused pinned block may hold it
+        self._int_workspace_buffer = torch.zeros(WORK_BYTES, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.full((WORK_BYTES,), 0xAB, dtype=torch.uint8)
+        self.work: tuple[int, int] | None = None  # a graph plan's (listed, launched) work items
         self.plans = 0
         self.plan_rows: list[int] = []
 
@@ -56,6 +69,9 @@ class EmulatedPrefillWrapper:
             self.graph_buffers["paged_kv_indptr_buf"].copy_(paged_kv_indptr)
             self.graph_buffers["paged_kv_indices_buf"][:paged_kv_indices.numel()].copy_(paged_kv_indices)
         self.split = not disable_split_kv
+        self.work = None
+        if self.graph_buffers is not None and not self.split:
+            self.work = self._stage_work_list(rows, num_qo_heads)
         self.qo = qo_indptr.tolist()
         self.kv = paged_kv_indptr.tolist()
         self.indices = paged_kv_indices.clone()
@@ -63,11 +79,35 @@ class EmulatedPrefillWrapper:
         self.plans += 1
         self.plan_rows.append(self.qo[-1])
 
+    def _stage_work_list(self, rows: torch.Tensor, heads: int) -> tuple[int, int]:
+        """A CUDA-graph plan's work list without a split: each request's rows packed with
+        its ``heads`` query heads, in tiles of FlashInfer's size for the graph's longest
+        possible request; the blocks launched, its bound for the graph's rows."""
+        total, batch = int(rows.sum()), rows.numel()
+        longest = (total - batch + 1) * heads
+        tile = 128 if longest > 64 else 64 if longest > 16 else 16
+        items = [i for i, r in enumerate(rows.tolist()) for _ in range(-(-r * heads // tile))]
+        launched = -(-total * heads // tile) + batch - 1
+        if 4 * launched > WORK_BYTES:
+            raise ValueError(f"Out of workspace memory in AlignedAlloactor (emulated: {launched} work items)")
+        host = self._pin_memory_int_workspace_buffer[:4 * launched]
+        host.view(torch.int32)[:len(items)] = torch.tensor(items, dtype=torch.int32)
+        self._int_workspace_buffer[:4 * launched] = host
+        return len(items), launched
+
     def run(self, q, kv, *, out, lse, return_lse) -> None:
         k = kv[0].reshape(kv[0].shape[0], -1)
         assert kv[0] is kv[1] and return_lse
         if q.shape[0] != self.qo[-1]:
             raise ValueError(f"q has {q.shape[0]} rows, the plan {self.qo[-1]}")
+        if self.work is not None:
+            listed, launched = self.work
+            extra = self._int_workspace_buffer[:4 * launched].view(torch.int32)[listed:]
+            wild = extra[(extra < 0) | (extra >= len(self.qo) - 1)]
+            if wild.numel():
+                raise RuntimeError(f"CUDA error: an illegal memory access was encountered (emulated: a block "
+                                   f"past the plan's {listed} work items read request {int(wild[0])} of "
+                                   f"{len(self.qo) - 1})")
         out.zero_()
         lse.fill_(-math.inf)
         for i in range(len(self.qo) - 1):

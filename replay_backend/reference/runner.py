@@ -103,7 +103,8 @@ class StepRunner:
                 check_supported(self.device, self.dtype)
             rows = max(max_num_batched_tokens, backend.config.max_num_batched_tokens if backend else 0) + 1
             self.attention = FlashInferAttention(self.cfg, self.kv.swa[0].shape[0], max_num_seqs, rows,
-                                                 max_model_len, self.device, self.dtype, attention_wrapper_factory)
+                                                 max_model_len, self.device, self.dtype, attention_wrapper_factory,
+                                                 strict=backend is not None and backend.config.strict)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.forward = forward if forward is not None else model
         # With a ReplayBackend the runner compiles the model itself, so it can capture
