@@ -17,6 +17,7 @@ from conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, check_interpreted, needs_trito
 from replay_backend import RequestChunk, StepRunner, build_model
 from replay_backend.backend import ReplayBackend
 from replay_backend.reference import attention_flashinfer as fi
+from replay_backend.reference import flashinfer_batches as fb
 from replay_backend.reference import flashinfer_semantics
 from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 
@@ -39,19 +40,19 @@ def test_key_sets_per_request():
     are a request of their own (FlashInfer's mask needs as many keys as rows)."""
     view = SimpleNamespace(query_start_loc=(0, 4, 7), seq_lens=(9, 3), kv_start=(7, 0), cache_base=(100, 200),
                            num_tokens=7)
-    assert fi.swa_part(view, 4, floored=False) == [(4, 102, 7), (3, 200, 3)]  # from 5 - 3
+    assert fb.swa_part(view, 4, floored=False) == [(4, 102, 7), (3, 200, 3)]  # from 5 - 3
     # from the floor: positions 5 and 6 see nothing, 7 and 8 see 7..8
-    assert fi.swa_part(view, 4, floored=True) == [(2, 0, 0), (2, 107, 2), (3, 200, 3)]
-    assert fi.global_part(view, 1) == ([(4, 100, 9), (3, 200, 3)], None)
+    assert fb.swa_part(view, 4, floored=True) == [(2, 0, 0), (2, 107, 2), (3, 200, 3)]
+    assert fb.global_part(view, 1) == ([(4, 100, 9), (3, 200, 3)], None)
     # ratio 2: positions 5, 7 read 3, 4 entries; 6, 8 read 3, 4; 0 reads none, 2 reads 1; 1 reads 1
-    reqs, perm = fi.global_part(view, 2)
+    reqs, perm = fb.global_part(view, 2)
     assert reqs == [(2, 50, 4), (2, 50, 4), (1, 0, 0), (1, 100, 1), (1, 100, 1)]
     assert perm == [0, 2, 1, 3, 4, 6, 5]
     # a graph plan: empty requests up to its fixed count, then the pad rows' request
-    assert fi.padded(reqs, 7, 10, 7) == reqs + [(0, 0, 0), (3, 0, 0)]
+    assert fb.padded(reqs, 7, 10, 7) == reqs + [(0, 0, 0), (3, 0, 0)]
     with pytest.raises(ValueError, match="5 FlashInfer requests exceeds the graph plan's 4"):
-        fi.padded(reqs, 7, 10, 5)
-    lay = fi.layout_of(fi.swa_part(view, 4, floored=True))
+        fb.padded(reqs, 7, 10, 5)
+    lay = fb.layout_of(fb.swa_part(view, 4, floored=True))
     assert lay.small == [0, 2, 4, 7, 0, 0, 2, 5, 0, 2, 3, 0, 1, 1]
     assert lay.kv_indices.tolist() == [107, 108, 200, 201, 202]
 
