@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from . import inspection, torch_compat
-from .capture.graphs import StrictFallbackError
+from .capture.graphs import StrictFallbackError, process_fallback  # noqa: F401  (StrictFallbackError: re-exported)
 from .compiling.piece_cache import PieceCache
 from .config import ReplayConfig
 from .counters import counters
@@ -136,11 +136,7 @@ def dsv41_replay(gm: fx.GraphModule, example_inputs: list, mode: str | None = No
     if call is None:
         why = ("not called through torch.compile's wrapper, so each graph gets a backend of its own and "
                "recompiles are not counted; pass backend=ReplayBackend(...) to keep one")
-        if config.strict:
-            raise StrictFallbackError(f"per_call_state: {why} (strict=True turns fallbacks into errors)")
-        counters.fallbacks["per_call_state"] += 1
-        if counters.fallbacks["per_call_state"] == 1:
-            log.warning("dsv41_replay fallback [per_call_state]: %s", why)
+        process_fallback("per_call_state", why, config.strict)
         return ReplayBackend(config)(gm, example_inputs)
     return torch_compat.compile_call_state(call, lambda: ReplayBackend(config))(gm, example_inputs)
 

@@ -5,16 +5,14 @@ their PyTorch reference where ``available()`` is false (CPU machines without it)
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 from typing import Callable
 
 import torch
 
 from . import torch_compat
-from .counters import counters
+from .capture.graphs import process_fallback
 
-log = logging.getLogger("replay_backend")
 
 try:
     import triton
@@ -59,10 +57,8 @@ def direct_launcher(build) -> Callable | None:
     if launcher is None or function is None or meta is None or runtime is None:
         return None
     if not launch_layout_verified(type(build)):
-        counters.fallbacks["triton_launch_layout"] += 1
-        if counters.fallbacks["triton_launch_layout"] == 1:
-            log.warning("dsv41_replay fallback [triton_launch_layout]: this Triton's compiled kernel does not "
-                        "launch as %s; kept kernels launch through Triton's entry", _LAUNCH)
+        process_fallback("triton_launch_layout", f"this Triton's compiled kernel does not launch as {_LAUNCH}; "
+                         "kept kernels launch through Triton's entry")
         return None
 
     def launch(grid, stream, *args) -> None:

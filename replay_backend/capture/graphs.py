@@ -42,6 +42,17 @@ class StrictFallbackError(RuntimeError):
     """A fallback happened while ``strict=True``."""
 
 
+def process_fallback(reason: str, detail: str, strict: bool = False) -> None:
+    """A fallback decided once per process (not per capture, as
+    :meth:`GraphResources.fallback`): raise when strict, else count it and log it the
+    first time."""
+    if strict:
+        raise StrictFallbackError(f"{reason}: {detail} (strict=True turns fallbacks into errors)")
+    counters.fallbacks[reason] += 1
+    if counters.fallbacks[reason] == 1:
+        log.warning("dsv41_replay fallback [%s]: %s", reason, detail)
+
+
 @dataclass
 class GraphResources:
     """What main and replay graphs share: one pool, one capture stream (SPEC §7)."""

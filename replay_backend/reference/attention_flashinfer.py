@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from ..capture.graphs import StrictFallbackError
-from ..counters import counters
+from ..capture.graphs import process_fallback
 from . import flashinfer_compat
 from .attention_merge import merge
 from .flashinfer_batches import global_part, layout_of, padded, swa_part
 
-log = logging.getLogger("replay_backend")
 
 # Where a view's plans wait for the attention ops (``AttnView.derived``): the plans the
 # layers about to run read, and every plan made for the view, by slot.
@@ -144,7 +141,7 @@ class FlashInferAttention:
         # graph plan splits: FlashInfer's guarded path, at the cost of scratch and a merge.
         self.graphs_split = not flashinfer_compat.clear_plan_memory(self.factory(None))
         if self.graphs_split:
-            _split_fallback(strict)
+            process_fallback("flashinfer_graph_split", _SPLIT_WHY, strict)
         # A plan splits its keys (scratch in the float workspace) only into at most
         # ``programs`` work items of at most 128 rows, FlashInfer's scratch being per query
         # head: the largest scratch any plan takes. Graph plans keep that bound by
@@ -271,15 +268,9 @@ class FlashInferAttention:
         return w
 
 
-def _split_fallback(strict: bool) -> None:
-    why = ("this FlashInfer does not keep a plan's work list where flashinfer_compat clears it, so every "
-           "replay-graph plan splits its keys (FlashInfer's guarded CUDA-graph path: more float workspace "
-           "and a merge kernel per call)")
-    if strict:
-        raise StrictFallbackError(f"flashinfer_graph_split: {why} (strict=True turns fallbacks into errors)")
-    counters.fallbacks["flashinfer_graph_split"] += 1
-    if counters.fallbacks["flashinfer_graph_split"] == 1:
-        log.warning("dsv41_replay fallback [flashinfer_graph_split]: %s", why)
+_SPLIT_WHY = ("this FlashInfer does not keep a plan's work list where flashinfer_compat clears it, so every "
+              "replay-graph plan splits its keys (FlashInfer's guarded CUDA-graph path: more float workspace "
+              "and a merge kernel per call)")
 
 
 # ---- running (inside the attention op, and inside graphs) ----------------------------
