@@ -88,6 +88,17 @@ class Checked:
         self.semantics = EmulatedPrefillWrapper(None)
         self.plan_summary: PlanSummary | None = None
 
+    # Everything else is the real wrapper's: the attention hands it staging buffers in turns.
+    def __getattr__(self, name):
+        return getattr(self.__dict__["real"], name)
+
+    def __setattr__(self, name, value) -> None:
+        real = self.__dict__.get("real")
+        if real is not None and name not in self.__dict__ and hasattr(real, name):
+            setattr(real, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
     def plan(self, **kw) -> None:
         if self.no_split:
             kw["disable_split_kv"] = True

@@ -177,6 +177,23 @@ def test_graph_plans_that_do_not_split_read_a_cleared_work_list(models):
     assert wrappers and all(not w.split and w.inner.work[0] < w.inner.work[1] for w in wrappers)
 
 
+def test_a_slots_plans_take_turns_in_host_memory(models):
+    """A plan is host memory that copies queued on the stream read later, so planning
+    into memory whose copy is still queued must wait for the GPU. Consecutive plans of a
+    slot stage their work lists in different memory, and the plan after them in the
+    first one's again: a plan waits only for the copies of the plan two before it
+    (test_gpu.py holds FlashInfer to this with the GPU kept busy)."""
+    ref, fim = models
+    runner, oracle = _runner(fim), _runner(ref)
+    for i in range(3):
+        _agree(runner, oracle, [RequestChunk("a", 40 + i, 40 + i), RequestChunk("b", 7, 7)], i)
+    wrappers = runner.attention._wrappers.values()
+    assert runner.attention.turns == fi.TURNS == 2 and wrappers
+    for w in wrappers:
+        first, second, third = w.inner.staged_in
+        assert first != second and third == first, w.inner.staged_in
+
+
 class NoPlanMemoryWrapper(flashinfer_semantics.EmulatedPrefillWrapper):
     """A FlashInfer that keeps its plans' work list elsewhere: nothing to clear."""
 
@@ -198,6 +215,7 @@ def test_without_plan_memory_to_clear_every_graph_plan_splits(models):
     with counters.expect(fallbacks={"flashinfer_graph_split": 1}):
         att = fi.FlashInferAttention(*args, factory=NoPlanMemoryWrapper)
     assert att.graphs_split and att._graph_splits(1024) and not usual._graph_splits(1024)
+    assert att.turns == 1 and usual.turns == 2  # without staging buffers to hand out, a plan waits
     assert att.float_bytes > usual.float_bytes
     runner = _runner(fim, max_num_batched_tokens=1024)
     batch = runner.build_batch([RequestChunk("a", 40, 40)])

@@ -401,6 +401,33 @@ def test_flashinfer_serving_matches_its_eager_model(model):
 
 
 @needs_flashinfer
+def test_flashinfer_plans_the_next_step_while_the_gpu_runs_this_one(model):
+    """A plan is host memory that copies queued on the stream read later. With the GPU
+    held busy, two batches are planned one after the other into the same wrappers:
+    neither plan waits for the GPU (the held work still runs after both), and each batch
+    still runs right, against PyTorch's attention in bf16."""
+    fim = build_model(CFG.replace(attention_impl="flashinfer"), "cuda", torch.bfloat16)
+    fim.load_state_dict(model.state_dict())
+    ref = build_model(CFG.replace(attention_impl="reference"), "cuda", torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    runner, oracle = StepRunner(fim, max_model_len=512), StepRunner(ref, max_model_len=512)
+    steps = [[RequestChunk(f"{n}{i}", 40 + 9 * i, 40 + 9 * i), RequestChunk(f"m{i}", 7, 7)]
+             for i, n in enumerate("abc")]
+    runner.run(runner.build_batch(steps[0]))  # makes the wrappers and loads the kernels
+    torch.cuda.synchronize()
+    batches = [runner.build_batch(reqs) for reqs in steps[1:]]
+    torch.cuda._sleep(2_000_000_000)  # about a second of one busy block
+    held = torch.cuda.Event()
+    held.record()
+    for batch in batches:
+        runner.attention.prepare(batch.view, None)
+    assert not held.query(), "planning waited for the GPU"
+    for reqs, batch in zip(steps[1:], batches):
+        got, want = runner.run(batch), oracle.step(reqs)
+        assert within_band(got.logits, want.logits), (reqs, max_abs_err(got.logits, want.logits))
+
+
+@needs_flashinfer
 @pytest.mark.parametrize("max_model_len", [1000, 4100])
 def test_flashinfer_serves_with_graphs_up_to_the_token_budget(model, max_model_len):
     """Replay graphs up to 2,048 rows, over a cache smaller than the largest (capture's

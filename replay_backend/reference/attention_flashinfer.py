@@ -29,6 +29,7 @@ from ..capture.graphs import process_fallback
 from . import flashinfer_compat
 from .attention_merge import merge
 from .flashinfer_batches import global_part, layout_of, padded, swa_part
+from .flashinfer_staging import TURNS, SlotStaging, Wrapper
 
 
 # Where a view's plans wait for the attention ops (``AttnView.derived``): the plans the
@@ -68,35 +69,9 @@ class Planned:
     """One part planned: the wrapper to run, the rows it covers (the view's, or a
     graph's size) and their permutation on the device (None: view order)."""
 
-    wrapper: "_Wrapper"
+    wrapper: Wrapper
     rows: int
     perm: torch.Tensor | None
-
-
-class _Wrapper:
-    """A FlashInfer prefill wrapper, the plan it holds now, and the event after that
-    plan.
-
-    ``plan()`` writes the plan into the wrapper's pinned host buffer and queues its copy
-    to the device. Planning again before that copy ran would hand the earlier step the
-    later step's plan, so a plan first waits for the previous plan's copy: a wait for the
-    GPU to reach the start of the earlier step, not for it to finish."""
-
-    def __init__(self, inner, cuda: bool, split: bool) -> None:
-        self.inner, self.cuda, self.split = inner, cuda, split
-        self.done = None
-        self.holds: Planned | None = None
-
-    def plan(self, **kw) -> None:
-        if self.done is not None:
-            self.done.synchronize()
-        self.inner.plan(disable_split_kv=not self.split, **kw)
-        if self.cuda:
-            self.done = torch.cuda.Event()
-            self.done.record()
-
-    def run(self, q, kv, out, lse) -> None:
-        self.inner.run(q, kv, out=out, lse=lse, return_lse=True)
 
 
 def _programs(device: torch.device) -> int:
@@ -142,6 +117,9 @@ class FlashInferAttention:
         self.graphs_split = not flashinfer_compat.clear_plan_memory(self.factory(None))
         if self.graphs_split:
             process_fallback("flashinfer_graph_split", _SPLIT_WHY, strict)
+        # Without staging buffers to hand out in turns, a plan waits for the previous
+        # plan's copies (flashinfer_staging).
+        self.turns = 1 if self.graphs_split else TURNS
         # A plan splits its keys (scratch in the float workspace) only into at most
         # ``programs`` work items of at most 128 rows, FlashInfer's scratch being per query
         # head: the largest scratch any plan takes. Graph plans keep that bound by
@@ -162,7 +140,8 @@ class FlashInferAttention:
         if src is not None and cfg.compress_ratio(src) != 1:
             raise ValueError("attention_impl='flashinfer' needs the replay layers' source at ratio 1: "
                              "a ratio-r part permutes its rows, which a replay graph cannot do per step")
-        self._wrappers: dict[tuple, _Wrapper] = {}
+        self._wrappers: dict[tuple, Wrapper] = {}
+        self._staging: dict[object, SlotStaging] = {}
 
     # ---- planning: on the host, outside graphs ----------------------------------------
     @torch.inference_mode(False)
@@ -202,15 +181,17 @@ class FlashInferAttention:
                 or -(-size * self.cfg.num_heads // 16) + self.graph_batch(size) - 1 < self.programs)
 
     def _plan(self, slot, layouts: dict, size: int | None) -> dict:
-        # One host tensor for every part's arrays, pinned, so that the plans' copies do
-        # not wait for the stream; the page tables and permutations reach the device in
-        # one copy of it.
+        staging = self._staging.get(slot)
+        if staging is None:
+            staging = self._staging[slot] = SlotStaging(self.turns, self.cuda)
+        turn = staging.begin()
+        # One host tensor for every part's arrays; the page tables and permutations
+        # reach the device in one copy of it.
         small = [x for lay in layouts.values() for x in lay.small]
         perms = [x for lay in layouts.values() if lay.perm is not None for x in lay.perm]
-        host = torch.cat([torch.tensor(small, dtype=torch.int32), *(lay.kv_indices for lay in layouts.values()),
-                          torch.tensor(perms, dtype=torch.int32)])
-        if self.cuda:
-            host = host.pin_memory()
+        host = staging.hold(turn, torch.cat([torch.tensor(small, dtype=torch.int32),
+                                             *(lay.kv_indices for lay in layouts.values()),
+                                             torch.tensor(perms, dtype=torch.int32)]))
         dev = host.to(self.device, non_blocking=True)
         planned, at = {}, 0
         tables = len(small)
@@ -223,7 +204,7 @@ class FlashInferAttention:
             k = lay.kv_indices.numel()
             wrapper = self._wrapper(slot, part, size, b, k)
             kind, _ = part
-            wrapper.plan(qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
+            wrapper.plan(turn, qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
                          paged_kv_last_page_len=last, seq_lens=lens, num_qo_heads=self.cfg.num_heads,
                          num_kv_heads=1, head_dim_qk=self.cfg.head_dim, page_size=1, causal=True,
                          window_left=self.cfg.window - 1 if kind == "swa" else -1,
@@ -234,9 +215,10 @@ class FlashInferAttention:
                 perm = dev[perm_at:perm_at + len(lay.perm)].long()
                 perm_at += len(lay.perm)
             planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm)
+        staging.end(turn)
         return planned
 
-    def _wrapper(self, slot, part, size: int | None, batch: int, pages: int) -> _Wrapper:
+    def _wrapper(self, slot, part, size: int | None, batch: int, pages: int) -> Wrapper:
         """The wrapper of ``(slot, part)``, made on its first plan, of ``batch`` requests
         listing ``pages`` page indices."""
         w = self._wrappers.get((slot, part))
@@ -255,7 +237,7 @@ class FlashInferAttention:
             inner = self.factory(buffers)
             if not split and not flashinfer_compat.clear_plan_memory(inner):  # pragma: no cover
                 raise RuntimeError("a FlashInfer wrapper without the plan memory that the start-up probe's had")
-            w = self._wrappers[(slot, part)] = _Wrapper(inner, self.cuda, split)
+            w = self._wrappers[(slot, part)] = Wrapper(inner, split, self.turns, self.cuda)
         return w
 
     def _flashinfer_wrapper(self, graph_buffers: dict | None):
@@ -268,9 +250,10 @@ class FlashInferAttention:
         return w
 
 
-_SPLIT_WHY = ("this FlashInfer does not keep a plan's work list where flashinfer_compat clears it, so every "
+_SPLIT_WHY = ("this FlashInfer does not keep a plan's work list where flashinfer_compat finds it, so every "
               "replay-graph plan splits its keys (FlashInfer's guarded CUDA-graph path: more float workspace "
-              "and a merge kernel per call)")
+              "and a merge kernel per call), and each plan waits for the GPU to copy the previous plan of its "
+              "slot")
 
 
 # ---- running (inside the attention op, and inside graphs) ----------------------------

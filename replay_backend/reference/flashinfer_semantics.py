@@ -46,6 +46,7 @@ class EmulatedPrefillWrapper:
         self.work: tuple[int, int] | None = None  # a graph plan's (listed, launched) work items
         self.plans = 0
         self.plan_rows: list[int] = []
+        self.staged_in: list[int] = []  # the staging buffer of each plan, by address
 
     def plan(self, *, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, seq_lens,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, window_left, sm_scale,
@@ -78,6 +79,8 @@ class EmulatedPrefillWrapper:
         self.window_left, self.scale = window_left, sm_scale
         self.plans += 1
         self.plan_rows.append(self.qo[-1])
+        staging = getattr(self, "_pin_memory_int_workspace_buffer", None)  # a subclass may keep none
+        self.staged_in.append(None if staging is None else staging.data_ptr())
 
     def _stage_work_list(self, rows: torch.Tensor, heads: int) -> tuple[int, int]:
         """A CUDA-graph plan's work list without a split: each request's rows packed with
