@@ -88,14 +88,14 @@ class Checked:
         self.semantics = EmulatedPrefillWrapper(None)
         self.plan_summary: PlanSummary | None = None
 
-    # Everything else is the real wrapper's: the attention hands it staging buffers in turns.
+    # The real wrapper's own state (underscored) is its own, read and written through
+    # this one: the attention hands it staging buffers in turns (flashinfer_compat).
     def __getattr__(self, name):
         return getattr(self.__dict__["real"], name)
 
     def __setattr__(self, name, value) -> None:
-        real = self.__dict__.get("real")
-        if real is not None and name not in self.__dict__ and hasattr(real, name):
-            setattr(real, name, value)
+        if name.startswith("_"):
+            setattr(self.real, name, value)
         else:
             object.__setattr__(self, name, value)
 
