@@ -91,7 +91,10 @@ class Checked:
     # The real wrapper's own state (underscored) is its own, read and written through
     # this one: the attention hands it staging buffers in turns (flashinfer_compat).
     def __getattr__(self, name):
-        return getattr(self.__dict__["real"], name)
+        real = self.__dict__.get("real")
+        if real is None:
+            raise AttributeError(name)
+        return getattr(real, name)
 
     def __setattr__(self, name, value) -> None:
         if name.startswith("_"):

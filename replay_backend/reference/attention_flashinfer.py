@@ -192,9 +192,17 @@ class FlashInferAttention:
         host = staging.hold(turn, torch.cat([torch.tensor(small, dtype=torch.int32),
                                              *(lay.kv_indices for lay in layouts.values()),
                                              torch.tensor(perms, dtype=torch.int32)]))
+        try:
+            return self._plan_parts(slot, layouts, size, turn, host, len(small))
+        finally:
+            staging.end(turn)
+
+    def _plan_parts(self, slot, layouts: dict, size: int | None, turn: int, host: torch.Tensor,
+                    tables: int) -> dict:
+        # ``host``: every part's small arrays (``tables`` entries), then their page tables,
+        # then their permutations.
         dev = host.to(self.device, non_blocking=True)
         planned, at = {}, 0
-        tables = len(small)
         perm_at = tables + sum(lay.kv_indices.numel() for lay in layouts.values())
         for part, lay in layouts.items():
             b = lay.batch
@@ -215,7 +223,6 @@ class FlashInferAttention:
                 perm = dev[perm_at:perm_at + len(lay.perm)].long()
                 perm_at += len(lay.perm)
             planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm)
-        staging.end(turn)
         return planned
 
     def _wrapper(self, slot, part, size: int | None, batch: int, pages: int) -> Wrapper:
@@ -235,8 +242,9 @@ class FlashInferAttention:
                            "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
             split = size is None or self._graph_splits(size)
             inner = self.factory(buffers)
-            if not split and not flashinfer_compat.clear_plan_memory(inner):  # pragma: no cover
-                raise RuntimeError("a FlashInfer wrapper without the plan memory that the start-up probe's had")
+            if not split:
+                flashinfer_compat.staging_buffer(inner)  # raises where the start-up probe's wrapper differed
+                flashinfer_compat.clear_plan_memory(inner)
             w = self._wrappers[(slot, part)] = Wrapper(inner, split, self.turns, self.cuda)
         return w
 

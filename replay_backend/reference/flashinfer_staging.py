@@ -31,13 +31,14 @@ class SlotStaging:
         self.turns, self.cuda = turns, cuda
         self.next = 0
         self.host: list[torch.Tensor | None] = [None] * turns
-        self.done: list[torch.cuda.Event | None] = [None] * turns
+        self.done = [torch.cuda.Event() for _ in range(turns)] if cuda else []
+        self.recorded = [False] * turns
 
     def begin(self) -> int:
         """The turn of the next plan, once its memory's previous copies have run."""
         turn = self.next
         self.next = (turn + 1) % self.turns
-        if self.done[turn] is not None:
+        if self.recorded[turn]:
             self.done[turn].synchronize()
         return turn
 
@@ -48,17 +49,17 @@ class SlotStaging:
             return arrays
         buf, n = self.host[turn], arrays.numel()
         if buf is None or buf.numel() < n:
-            # a buffer let go here is the caching host allocator's again, which keeps it
-            # until the copies queued from it have run
+            # begin() waited for the copies queued from the buffer let go here
             size = max(n, 2 * buf.numel()) if buf is not None else n
             buf = self.host[turn] = torch.empty(size, dtype=arrays.dtype, pin_memory=True)
         return buf[:n].copy_(arrays)
 
     def end(self, turn: int) -> None:
-        """Mark the turn's copies, all queued by now."""
+        """Mark the turn's copies, all queued by now (also after a plan that failed part
+        way: those queued before it read the turn's memory too)."""
         if self.cuda:
-            self.done[turn] = torch.cuda.Event()
             self.done[turn].record()
+            self.recorded[turn] = True
 
 
 class Wrapper:
