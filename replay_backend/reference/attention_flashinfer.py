@@ -241,11 +241,7 @@ class FlashInferAttention:
                            "paged_kv_indices_buf": torch.zeros(max(self.num_slots, pages), **i32),
                            "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
             split = size is None or self._graph_splits(size)
-            inner = self.factory(buffers)
-            if not split:
-                flashinfer_compat.staging_buffer(inner)  # raises where the start-up probe's wrapper differed
-                flashinfer_compat.clear_plan_memory(inner)
-            w = self._wrappers[(slot, part)] = Wrapper(inner, split, self.turns, self.cuda)
+            w = self._wrappers[(slot, part)] = Wrapper(self.factory(buffers), split, self.turns, self.cuda)
         return w
 
     def _flashinfer_wrapper(self, graph_buffers: dict | None):

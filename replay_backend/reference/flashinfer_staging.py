@@ -31,14 +31,14 @@ class SlotStaging:
         self.turns, self.cuda = turns, cuda
         self.next = 0
         self.host: list[torch.Tensor | None] = [None] * turns
+        # an event never recorded is waited for at once
         self.done = [torch.cuda.Event() for _ in range(turns)] if cuda else []
-        self.recorded = [False] * turns
 
     def begin(self) -> int:
         """The turn of the next plan, once its memory's previous copies have run."""
         turn = self.next
         self.next = (turn + 1) % self.turns
-        if self.recorded[turn]:
+        if self.cuda:
             self.done[turn].synchronize()
         return turn
 
@@ -59,17 +59,19 @@ class SlotStaging:
         way: those queued before it read the turn's memory too)."""
         if self.cuda:
             self.done[turn].record()
-            self.recorded[turn] = True
 
 
 class Wrapper:
     """A FlashInfer prefill wrapper, whether its plans split their keys, the plan it holds
     now (``holds``), and one staging buffer per turn where there is more than one turn
-    (the first its own, the others cleared as flashinfer_compat requires)."""
+    (the first its own, the others zeroed). A wrapper whose plans do not split starts
+    with its own plan memory cleared too, as flashinfer_compat requires."""
 
     def __init__(self, inner, split: bool, turns: int, pinned: bool) -> None:
         self.inner, self.split = inner, split
         self.holds = None
+        if not split and not flashinfer_compat.clear_plan_memory(inner):
+            flashinfer_compat.staging_buffer(inner)  # raises: the start-up probe's wrapper had it
         self.staging: list[torch.Tensor] = []
         if turns > 1:
             own = flashinfer_compat.staging_buffer(inner)
