@@ -188,10 +188,9 @@ class FlashInferAttention:
         # One host tensor for every part's arrays; the page tables and permutations
         # reach the device in one copy of it.
         small = [x for lay in layouts.values() for x in lay.small]
-        perms = [x for lay in layouts.values() if lay.perm is not None for x in lay.perm]
         host = staging.hold(turn, torch.cat([torch.tensor(small, dtype=torch.int32),
                                              *(lay.kv_indices for lay in layouts.values()),
-                                             torch.tensor(perms, dtype=torch.int32)]))
+                                             *(lay.perm for lay in layouts.values() if lay.perm is not None)]))
         try:
             return self._plan_parts(slot, layouts, size, turn, host, len(small))
         finally:
@@ -216,12 +215,14 @@ class FlashInferAttention:
                          paged_kv_last_page_len=last, seq_lens=lens, num_qo_heads=self.cfg.num_heads,
                          num_kv_heads=1, head_dim_qk=self.cfg.head_dim, page_size=1, causal=True,
                          window_left=self.cfg.window - 1 if kind == "swa" else -1,
-                         sm_scale=self.cfg.head_dim ** -0.5, q_data_type=self.dtype, kv_data_type=self.dtype)
+                         sm_scale=self.cfg.head_dim ** -0.5, q_data_type=self.dtype, kv_data_type=self.dtype,
+                         # known here; FlashInfer would find it by a Python loop over the requests
+                         max_token_per_sequence=lay.longest)
             tables += k
             perm = None
             if lay.perm is not None:
-                perm = dev[perm_at:perm_at + len(lay.perm)].long()
-                perm_at += len(lay.perm)
+                perm = dev[perm_at:perm_at + lay.perm.numel()].long()
+                perm_at += lay.perm.numel()
             planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm)
         return planned
 

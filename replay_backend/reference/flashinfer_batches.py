@@ -48,12 +48,14 @@ def swa_part(view, window: int, floored: bool) -> list[tuple[int, int, int]]:
     return out
 
 
-def global_part(view, ratio: int) -> tuple[list[tuple[int, int, int]], list[int] | None]:
+def global_part(view, ratio: int) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
     """Per (sub-)request ``(qo_len, first slot, kv_len)`` of the global entries, and for
-    ratio > 1 the view's rows in the order of those sub-requests."""
+    ratio > 1 the view's rows in the order of those sub-requests (int32)."""
     qsl = view.query_start_loc
     out: list[tuple[int, int, int]] = []
-    perm = [] if ratio > 1 else None
+    # One range per residue class: a step's rows, as Python ints, would cost the host
+    # more than the rest of its plan.
+    classes: list[torch.Tensor] | None = [] if ratio > 1 else None
     for i, seq_len in enumerate(view.seq_lens):
         r0, r1 = qsl[i], qsl[i + 1]
         gbase = view.cache_base[i] // ratio
@@ -66,8 +68,10 @@ def global_part(view, ratio: int) -> tuple[list[tuple[int, int, int]], list[int]
             last = p0 + c + ratio * (len(members) - 1)
             # one more entry per row of the class: only its first row can see none
             _split_blind(out, int((p0 + c + 1) // ratio == 0), len(members), gbase, (last + 1) // ratio)
-            perm.extend(members)
-    return out, perm
+            classes.append(torch.arange(r0 + c, r1, ratio, dtype=torch.int32))
+    if classes is None:
+        return out, None
+    return out, torch.cat(classes) if classes else torch.zeros(0, dtype=torch.int32)
 
 
 def padded(reqs: list, num_tokens: int, rows: int, batch: int) -> list:
@@ -86,17 +90,19 @@ class PartLayout:
     """One key set of one view as FlashInfer's batch (int32, as its kernels index):
     ``small`` holds ``qo_indptr``, ``kv_indptr``, ``kv_lens`` and the last page's
     length (page size 1: 1, or 0 for no keys) back to back, for ``batch`` requests;
-    ``kv_indices`` is the page table of cache slots; ``perm`` the rows in sub-request
-    order for a ratio-r global part (None: rows in view order)."""
+    ``longest`` is the most rows of one request; ``kv_indices`` is the page table of
+    cache slots; ``perm`` the rows in sub-request order for a ratio-r global part
+    (None: rows in view order)."""
 
     batch: int
     rows: int
+    longest: int
     small: list[int]
     kv_indices: torch.Tensor
-    perm: list[int] | None
+    perm: torch.Tensor | None
 
 
-def layout_of(reqs: list[tuple[int, int, int]], perm: list[int] | None = None) -> PartLayout:
+def layout_of(reqs: list[tuple[int, int, int]], perm: torch.Tensor | None = None) -> PartLayout:
     qo, kv = [0], [0]
     for q, _, k in reqs:
         qo.append(qo[-1] + q)
@@ -104,4 +110,5 @@ def layout_of(reqs: list[tuple[int, int, int]], perm: list[int] | None = None) -
     lens = [k for _, _, k in reqs]
     pieces = [torch.arange(s, s + k, dtype=torch.int32) for _, s, k in reqs if k]
     idx = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
-    return PartLayout(len(reqs), qo[-1], qo + kv + lens + [int(k > 0) for k in lens], idx, perm)
+    return PartLayout(len(reqs), qo[-1], max((q for q, _, _ in reqs), default=0),
+                      qo + kv + lens + [int(k > 0) for k in lens], idx, perm)

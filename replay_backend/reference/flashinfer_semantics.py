@@ -50,7 +50,7 @@ class EmulatedPrefillWrapper:
 
     def plan(self, *, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, seq_lens,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, window_left, sm_scale,
-             q_data_type, kv_data_type, disable_split_kv) -> None:
+             q_data_type, kv_data_type, disable_split_kv, max_token_per_sequence=None) -> None:
         assert page_size == 1 and num_kv_heads == 1 and causal
         batch = qo_indptr.numel() - 1
         if self.graph_batch is not None and batch != self.graph_batch:
@@ -58,6 +58,11 @@ class EmulatedPrefillWrapper:
         lens = paged_kv_indptr[1:] - paged_kv_indptr[:-1]
         assert torch.equal(lens, seq_lens) and torch.equal(paged_kv_last_page_len, (lens > 0).int())
         rows = qo_indptr[1:] - qo_indptr[:-1]
+        # FlashInfer takes it as given instead of computing it from qo_indptr
+        longest = int(rows.max()) if batch else 0
+        if max_token_per_sequence is not None and max_token_per_sequence != longest:
+            raise ValueError(f"max_token_per_sequence {max_token_per_sequence}, the longest request has "
+                             f"{longest} rows")
         short = ((lens > 0) & (lens < rows)).nonzero().flatten().tolist()
         if short:
             raise ValueError(f"requests {short}: fewer keys than query rows ({lens[short].tolist()} < "
