@@ -64,11 +64,12 @@ def global_part(view, ratio: int) -> tuple[list[tuple[int, int, int]], torch.Ten
             continue
         p0 = seq_len - (r1 - r0)
         for c in range(min(ratio, r1 - r0)):
-            members = range(r0 + c, r1, ratio)
-            last = p0 + c + ratio * (len(members) - 1)
+            members = torch.arange(r0 + c, r1, ratio, dtype=torch.int32)
+            n = members.numel()
+            last = p0 + c + ratio * (n - 1)
             # one more entry per row of the class: only its first row can see none
-            _split_blind(out, int((p0 + c + 1) // ratio == 0), len(members), gbase, (last + 1) // ratio)
-            classes.append(torch.arange(r0 + c, r1, ratio, dtype=torch.int32))
+            _split_blind(out, int((p0 + c + 1) // ratio == 0), n, gbase, (last + 1) // ratio)
+            classes.append(members)
     if classes is None:
         return out, None
     return out, torch.cat(classes) if classes else torch.zeros(0, dtype=torch.int32)
@@ -103,12 +104,12 @@ class PartLayout:
 
 
 def layout_of(reqs: list[tuple[int, int, int]], perm: torch.Tensor | None = None) -> PartLayout:
-    qo, kv = [0], [0]
+    qo, kv, longest = [0], [0], 0
     for q, _, k in reqs:
         qo.append(qo[-1] + q)
         kv.append(kv[-1] + k)
+        longest = max(longest, q)
     lens = [k for _, _, k in reqs]
     pieces = [torch.arange(s, s + k, dtype=torch.int32) for _, s, k in reqs if k]
     idx = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
-    return PartLayout(len(reqs), qo[-1], max((q for q, _, _ in reqs), default=0),
-                      qo + kv + lens + [int(k > 0) for k in lens], idx, perm)
+    return PartLayout(len(reqs), qo[-1], longest, qo + kv + lens + [int(k > 0) for k in lens], idx, perm)
