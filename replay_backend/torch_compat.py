@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -112,6 +113,16 @@ def reduce_overhead_options() -> dict:
     if hasattr(inductor_config, "graph_partition"):
         opts["graph_partition"] = True
     return opts
+
+
+def release_cuda_tracing_after_profiles() -> None:
+    """Have every later ``torch.profiler`` session that traces CUDA release that tracing
+    when it ends (Kineto's ``TEARDOWN_CUPTI``, read as each session ends). Without it the
+    tracing stays attached to the process and its later CUDA calls pay for it on the
+    host, which slows whatever is timed after a profile (docs/benchmarks.md). A value
+    already set is kept, and torch's profiler sets it off itself where CUDA graphs and
+    teardown crash (CUDA before 12.6)."""
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
 
 def has_non_owning_alias() -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -290,6 +291,42 @@ def test_a_mode_that_fails_leaves_the_rotation_and_the_others_are_measured():
     bench_timing.time_points([bad, ok], [(8, 1), (16, 1)], float("inf"), args, "cpu", {}, [])
     assert bad.run.error == "RuntimeError: boom" and not bad.run.ms
     assert ok.run.error is None and set(ok.run.ms) == {"8/1", "16/1"}
+
+
+def test_every_point_is_timed_before_the_profiler_runs(tmp_path):
+    """A profiler session that traces CUDA leaves later CUDA calls slower on the host, so
+    a profile (or a floor) between points would slow every point timed after it."""
+    tags = []
+
+    class Runner:
+        def prefill(self, prompts):
+            tags.append(next(iter(prompts)).split("-")[0])
+            return {}
+
+        def free(self, rid) -> None:
+            pass
+
+    modes = [bench_timing.TimedMode(bench.ModeRun(m, "default"), Runner()) for m in ("off", "parent")]
+    args = SimpleNamespace(warmup=1, runs=2, profile_out=str(tmp_path / "prof.md"), profile_points=["8/1", "16/1"])
+    bench_timing.time_points(modes, [(8, 1), (16, 1)], float("inf"), args, "cpu", {}, [])
+    assert tags.count("prof") == 4 and set(tags[-4:]) == {"prof"}
+    assert tags[:-4] == ["w0", "w0", "m0", "m0", "m1", "m1"] * 2
+    assert (tmp_path / "prof.md").read_text().count("######## ") == 4
+
+
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_a_profile_releases_cuda_tracing_when_it_ends_unless_told_otherwise(tmp_path, monkeypatch, preset):
+    """The bench's profiles ask Kineto to tear CUDA tracing down after each session (it
+    otherwise stays attached and slows the host's later CUDA calls); a value the user
+    set wins."""
+    from replay_backend.bench.profile import profile_to
+
+    if preset is None:
+        monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    else:
+        monkeypatch.setenv("TEARDOWN_CUPTI", preset)
+    profile_to(str(tmp_path / "prof.md"), "probe", lambda: float(torch.ones(4).sum()))
+    assert os.environ["TEARDOWN_CUPTI"] == (preset or "1")
 
 
 def test_trims_by_step_takes_each_place_in_a_run_over_the_runs_that_reach_it():

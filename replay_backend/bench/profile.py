@@ -5,6 +5,8 @@ from typing import Callable
 
 import torch
 
+from .. import torch_compat
+
 
 def kernels(events) -> list:
     """Device-side events only: a CPU op's "self CUDA" time is its kernels' time again."""
@@ -15,6 +17,7 @@ def kernel_floor_ms(ttft: Callable[[], float]) -> float:
     """Sum of GPU kernel times of one TTFT (the profile's device self time)."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch_compat.release_cuda_tracing_after_profiles()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         ttft()
     return sum(e.self_device_time_total for e in kernels(prof.key_averages())) / 1e3
@@ -35,6 +38,7 @@ def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str 
     from .gaps import analyse_file
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    torch_compat.release_cuda_tracing_after_profiles()
     with profile(activities=acts) as prof:
         wall = ttft()
     events = prof.key_averages()

@@ -150,10 +150,9 @@ class TimedMode:
             raise ModeFailed(self, e) from e
 
 
-def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str, floors: dict,
-                   trim_host_us: list) -> None:
-    """Median TTFT of every mode at one point, timed in turns; then for ``replay`` its
-    trim host time and kernel floor, and the profiles asked for."""
+def measure_point(modes: list[TimedMode], isl: int, conc: int, args, trim_host_us: list) -> None:
+    """Median TTFT of every mode at one point, timed in turns, and ``replay``'s trim op
+    host time."""
     point = f"{isl}/{conc}"
     last_warm = {}
     for m in modes:
@@ -190,15 +189,24 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, device: str
             steps = trims_by_step(trims[id(m)])
             if len(steps) > 1:
                 m.run.trim_host_us_by_step[point] = steps
-        if args.profile_out and point in args.profile_points:
-            profile_to(args.profile_out, f"{m.run.mode}/{m.run.setting} {point}",
-                       lambda: m.ttft(isl, conc, "prof"), getattr(args, "trace_dir", None))
-        if m.run.mode == "replay" and device == "cuda":
-            floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
     # progress, and what a run cut short by a timeout still leaves in its log
     print(f"{point}: " + ", ".join(f"{m.run.mode}/{m.run.setting} {m.run.ms[point]:.1f} ms" for m in modes)
           + f"; gc while timing: {gcw.count} collections ({gcw.gen2} gen-2), {gcw.seconds * 1e3:.1f} ms",
           flush=True)
+
+
+def profile_mode(m: TimedMode, isl: int, conc: int, args, device: str, floors: dict) -> bool:
+    """One mode's profile at one point, where asked for, and ``replay``'s kernel floor;
+    whether it did either."""
+    point = f"{isl}/{conc}"
+    profiled = bool(args.profile_out) and point in args.profile_points
+    if profiled:
+        profile_to(args.profile_out, f"{m.run.mode}/{m.run.setting} {point}",
+                   lambda: m.ttft(isl, conc, "prof"), getattr(args, "trace_dir", None))
+    if m.run.mode == "replay" and device == "cuda":
+        floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
+        profiled = True
+    return profiled
 
 
 def trims_by_step(runs: list[list[float]]) -> list[float]:
@@ -223,19 +231,42 @@ def _add_events(into: dict, moved: dict) -> None:
 
 def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: str, floors: dict,
                  trim_host_us: list, done: Callable[[], None] | None = None) -> None:
-    """Every point for every mode; a mode that fails leaves the rotation with its error.
-    ``done()`` runs after each point."""
+    """Every point for every mode, then the floors and profiles of the points timed. The
+    profiler comes after all timing: a session that traces CUDA can leave the host's
+    later CUDA calls slower (where its tracing is not torn down when it ends, see
+    torch_compat.release_cuda_tracing_after_profiles), which would fall on every point
+    timed after it. A mode that fails leaves the rotation with its error; nothing new
+    starts after ``deadline``. ``done()`` runs after each point's timing and after the
+    floors."""
+    timed = []
     for isl, conc in shapes:
         if time.perf_counter() > deadline:
             for m in modes:
                 m.run.error = m.run.error or f"time budget spent (--max-seconds) before {isl}/{conc}"
-            return
+            break
         while modes:
             try:
-                measure_point(modes, isl, conc, args, device, floors, trim_host_us)
+                measure_point(modes, isl, conc, args, trim_host_us)
+                timed.append((isl, conc))
                 break
             except ModeFailed as f:  # the point again without it
-                f.mode.run.error = f"{type(f.cause).__name__}: {f.cause}"[:500]
-                modes = [m for m in modes if m is not f.mode]
+                modes = _drop(modes, f)
         if done is not None:
             done()
+    profiled = False
+    for isl, conc in timed:
+        if time.perf_counter() > deadline:
+            print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
+            break
+        for m in list(modes):
+            try:
+                profiled |= profile_mode(m, isl, conc, args, device, floors)
+            except ModeFailed as f:
+                modes = _drop(modes, f)
+    if done is not None and profiled:
+        done()
+
+
+def _drop(modes: list[TimedMode], failed: ModeFailed) -> list[TimedMode]:
+    failed.mode.run.error = f"{type(failed.cause).__name__}: {failed.cause}"[:500]
+    return [m for m in modes if m is not failed.mode]
