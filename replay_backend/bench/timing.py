@@ -236,8 +236,8 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
     later CUDA calls slower (where its tracing is not torn down when it ends, see
     torch_compat.release_cuda_tracing_after_profiles), which would fall on every point
     timed after it. A mode that fails leaves the rotation with its error; nothing new
-    starts after ``deadline``. ``done()`` runs after each point's timing and after the
-    floors."""
+    starts after ``deadline``. ``done()`` runs after each point's timing and after its
+    floors and profiles."""
     timed = []
     for isl, conc in shapes:
         if time.perf_counter() > deadline:
@@ -253,18 +253,18 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                 modes = _drop(modes, f)
         if done is not None:
             done()
-    profiled = False
     for isl, conc in timed:
         if time.perf_counter() > deadline:
             print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
             break
+        profiled = False
         for m in list(modes):
             try:
                 profiled |= profile_mode(m, isl, conc, args, device, floors)
             except ModeFailed as f:
                 modes = _drop(modes, f)
-    if done is not None and profiled:
-        done()
+        if done is not None and profiled:
+            done()
 
 
 def _drop(modes: list[TimedMode], failed: ModeFailed) -> list[TimedMode]:
