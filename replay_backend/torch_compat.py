@@ -115,14 +115,42 @@ def reduce_overhead_options() -> dict:
     return opts
 
 
-def release_cuda_tracing_after_profiles() -> None:
-    """Have every later ``torch.profiler`` session that traces CUDA release that tracing
-    when it ends (Kineto's ``TEARDOWN_CUPTI``, read as each session ends). Without it the
-    tracing stays attached to the process and its later CUDA calls pay for it on the
-    host, which slows whatever is timed after a profile (docs/benchmarks.md). A value
-    already set is kept, and torch's profiler sets it off itself where CUDA graphs and
-    teardown crash (CUDA before 12.6)."""
-    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+@contextlib.contextmanager
+def cuda_tracing_across_profiles() -> Iterator[None]:
+    """``torch.profiler`` sessions inside keep Kineto's CUDA tracing (CUPTI) attached
+    from one to the next, and the block releases it when it ends.
+
+    Kineto decides at each session's end, from ``TEARDOWN_CUPTI``, whether to tear the
+    tracing down, and does it on the process's next CUDA call. A session that starts
+    before that call has its tracing torn down under it and records no GPU activity, so
+    a teardown between back-to-back sessions can silently empty the next one. Left
+    attached after the last session, the tracing makes every later CUDA call slower on
+    the host, which would fall on whatever is timed afterwards (docs/benchmarks.md). So
+    the sessions inside run with ``TEARDOWN_CUPTI=0``, and one short CUDA session with
+    ``TEARDOWN_CUPTI=1`` and a CUDA call after it release the tracing at the end.
+
+    A ``TEARDOWN_CUPTI`` already set (by the user, or by torch's profiler where CUDA
+    graphs and teardown crash, CUDA before 12.6) is left alone, as is a process without
+    CUDA; where torch's profiler turned teardown off inside the block
+    (``DISABLE_CUPTI_LAZY_REINIT``), nothing is released."""
+    if "TEARDOWN_CUPTI" in os.environ or not torch.cuda.is_available():
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ["TEARDOWN_CUPTI"] = "0"
+    try:
+        yield
+    finally:
+        try:
+            # torch's profiler sets this where a session after a teardown crashes
+            if "DISABLE_CUPTI_LAZY_REINIT" not in os.environ:
+                os.environ["TEARDOWN_CUPTI"] = "1"
+                with profile(activities=[ProfilerActivity.CUDA]):
+                    torch.cuda.synchronize()
+                torch.cuda.synchronize()  # the CUDA call that carries the teardown out
+        finally:
+            os.environ.pop("TEARDOWN_CUPTI", None)
 
 
 def has_non_owning_alias() -> bool:

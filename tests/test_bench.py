@@ -314,19 +314,98 @@ def test_every_point_is_timed_before_the_profiler_runs(tmp_path):
     assert (tmp_path / "prof.md").read_text().count("######## ") == 4
 
 
-@pytest.mark.parametrize("preset", [None, "0"])
-def test_a_profile_releases_cuda_tracing_when_it_ends_unless_told_otherwise(tmp_path, monkeypatch, preset):
-    """The bench's profiles ask Kineto to tear CUDA tracing down after each session (it
-    otherwise stays attached and slows the host's later CUDA calls); a value the user
-    set wins."""
-    from replay_backend.bench.profile import profile_to
+class _Kineto:
+    """Kineto's CUDA tracing as the bench meets it: a session that ends with
+    ``TEARDOWN_CUPTI=1`` has the tracing torn down on the process's next CUDA call, and a
+    session in which that call lands records no GPU kernels. While the tracing is
+    attached, CUDA calls are slower on the host (``attached``)."""
 
-    if preset is None:
-        monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    def __init__(self) -> None:
+        self.attached = self.pending = False
+        self.session = None  # the open session
+        self.released = 0
+
+    def cuda_call(self) -> None:
+        if self.pending:
+            self.attached = self.pending = False
+            self.released += 1
+            if self.session is not None:
+                self.session.lost = True
+
+    def profile(self, activities=()):
+        kineto = self
+
+        class Session:
+            lost = False
+
+            def __enter__(self):
+                kineto.session, kineto.attached = self, True
+                return self
+
+            def __exit__(self, *exc):
+                kineto.session = None
+                kineto.pending = os.environ.get("TEARDOWN_CUPTI") == "1"
+
+            def key_averages(self):
+                cuda = torch.autograd.DeviceType.CUDA
+                return [] if self.lost else [SimpleNamespace(device_type=cuda, self_device_time_total=2500.0)]
+
+        return Session()
+
+
+def _floors_back_to_back(monkeypatch, kineto: _Kineto):
+    """The floors of two points of ``replay``, taken as time_points takes them on a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: kineto.cuda_call())
+    monkeypatch.setattr(torch.profiler, "profile", kineto.profile)
+
+    class Runner:
+        backend = SimpleNamespace(model=SimpleNamespace(replay=SimpleNamespace(host_us=[])))
+
+        def prefill(self, prompts):
+            kineto.cuda_call()  # a step launches work
+            return {}
+
+        def free(self, rid) -> None:
+            pass
+
+    mode = bench_timing.TimedMode(bench.ModeRun("replay", "wide"), Runner())
+    floors: dict = {}
+    args = SimpleNamespace(warmup=1, runs=2, profile_out=None, profile_points=[])
+    bench_timing.time_points([mode], [(8, 1), (16, 1)], float("inf"), args, "cuda", floors, [])
+    return mode.run, floors
+
+
+@pytest.mark.parametrize("reinit_off", [False, True])
+def test_back_to_back_floors_keep_cuda_tracing_until_the_last_then_release_it(monkeypatch, reinit_off):
+    """A floor taken right after another session lost its tracing to that session's
+    teardown and read 0.0 ms (a GPU run with --profile-points): the sessions keep the
+    tracing attached from one to the next, and it is released once, after the last,
+    except where torch's profiler has marked a teardown unsafe."""
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    if reinit_off:
+        monkeypatch.setenv("DISABLE_CUPTI_LAZY_REINIT", "1")
     else:
-        monkeypatch.setenv("TEARDOWN_CUPTI", preset)
-    profile_to(str(tmp_path / "prof.md"), "probe", lambda: float(torch.ones(4).sum()))
-    assert os.environ["TEARDOWN_CUPTI"] == (preset or "1")
+        monkeypatch.delenv("DISABLE_CUPTI_LAZY_REINIT", raising=False)
+    kineto = _Kineto()
+    run, floors = _floors_back_to_back(monkeypatch, kineto)
+    assert floors == {"wide": {"8/1": 2.5, "16/1": 2.5}} and run.floor_errors == {}
+    assert kineto.attached is reinit_off and kineto.released == (0 if reinit_off else 1)
+    assert "TEARDOWN_CUPTI" not in os.environ  # the next pass manages it the same way
+
+
+def test_a_floor_whose_session_recorded_no_kernels_is_reported_missing_not_zero(monkeypatch):
+    """A TEARDOWN_CUPTI the user set is theirs to keep; where it makes a session lose
+    its tracing, that point's floor is missing, and the report says why."""
+    monkeypatch.setenv("TEARDOWN_CUPTI", "1")
+    run, floors = _floors_back_to_back(monkeypatch, _Kineto())
+    assert floors == {"wide": {"8/1": 2.5}}
+    assert set(run.floor_errors) == {"16/1"} and "recorded no GPU kernels" in run.floor_errors["16/1"]
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    report = {"preset": "tiny", "dtype": "float32", "device": "cuda", "torch": "x", "runs": 2, "warmup": 1,
+              "max_num_batched_tokens": 64, "results": [vars(run)], "floor_ms": floors}
+    text = bench.render(report)
+    assert "| 16/1 | " in text and "NO FLOOR" in text and "wide/replay 16/1: the profiler recorded no GPU" in text
 
 
 def test_trims_by_step_takes_each_place_in_a_run_over_the_runs_that_reach_it():

@@ -5,22 +5,29 @@ from typing import Callable
 
 import torch
 
-from .. import torch_compat
-
 
 def kernels(events) -> list:
     """Device-side events only: a CPU op's "self CUDA" time is its kernels' time again."""
     return [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
 
 
+class NoKernelsRecorded(RuntimeError):
+    """A profiler session over a step recorded no GPU kernels: its tracing was lost, and
+    a floor read from it would be 0 ms."""
+
+
 def kernel_floor_ms(ttft: Callable[[], float]) -> float:
-    """Sum of GPU kernel times of one TTFT (the profile's device self time)."""
+    """Sum of GPU kernel times of one TTFT (the profile's device self time). Raises
+    :class:`NoKernelsRecorded` when the session recorded none."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch_compat.release_cuda_tracing_after_profiles()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ttft()
-    return sum(e.self_device_time_total for e in kernels(prof.key_averages())) / 1e3
+        wall = ttft()
+    ks = kernels(prof.key_averages())
+    if not ks:
+        raise NoKernelsRecorded(f"the profiler recorded no GPU kernels in a step of {wall:.1f} ms: its CUDA "
+                                "tracing was lost (torch_compat.cuda_tracing_across_profiles)")
+    return sum(e.self_device_time_total for e in ks) / 1e3
 
 
 def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str | None = None) -> None:
@@ -38,7 +45,6 @@ def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str 
     from .gaps import analyse_file
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    torch_compat.release_cuda_tracing_after_profiles()
     with profile(activities=acts) as prof:
         wall = ttft()
     events = prof.key_averages()

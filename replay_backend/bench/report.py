@@ -116,6 +116,11 @@ def render(report: dict) -> str:
                      + ("; DRIFT: beyond the rounding noise" if r.get("drifted") else "")
                      + (f"; estimated graph memory {est:.2f} GiB" if est is not None else "")
                      + (f"; ERROR {r['error']}" if r["error"] else ""))
+    lost = [(f"{r['setting']}/{r['mode']}", point, why) for r in report["results"]
+            for point, why in (r.get("floor_errors") or {}).items()]
+    if lost:
+        lines.append("\nNO FLOOR where the table shows none (a profiler session that recorded no kernels):")
+        lines += [f"- {who} {point}: {why}" for who, point, why in lost]
     slow = slow_first_runs(report)
     if slow:
         lines.append(f"\nFIRST RUNS over {FIRST_RUN_FACTOR:g}x their point's median (one-time work inside served "

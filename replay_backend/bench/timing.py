@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .profile import kernel_floor_ms, profile_to
+from .profile import NoKernelsRecorded, kernel_floor_ms, profile_to
+from .. import torch_compat
 from ..counters import counters
 from ..reference.runner import StepRunner
 
@@ -47,6 +48,8 @@ class ModeRun:
     # with more than one; trims_by_step)
     trim_host_us_by_step: dict = field(default_factory=dict)
     first_ms: dict = field(default_factory=dict)  # "isl/conc" -> the point's first (warm-up) run
+    # "isl/conc" -> why the point has no floor though its profile ran (profile.NoKernelsRecorded)
+    floor_errors: dict = field(default_factory=dict)
     # "isl/conc" -> counters of SERVED_EVENTS that moved in this mode's timed
     # runs (a fallback, a capture, a copy of the trim rows): none is expected
     events: dict = field(default_factory=dict)
@@ -204,7 +207,11 @@ def profile_mode(m: TimedMode, isl: int, conc: int, args, device: str, floors: d
         profile_to(args.profile_out, f"{m.run.mode}/{m.run.setting} {point}",
                    lambda: m.ttft(isl, conc, "prof"), getattr(args, "trace_dir", None))
     if m.run.mode == "replay" and device == "cuda":
-        floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
+        try:
+            floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
+        except NoKernelsRecorded as e:
+            m.run.floor_errors[point] = str(e)
+            print(f"{m.run.mode}/{m.run.setting} {point}: no floor: {e}", flush=True)
         profiled = True
     return profiled
 
@@ -232,12 +239,12 @@ def _add_events(into: dict, moved: dict) -> None:
 def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: str, floors: dict,
                  trim_host_us: list, done: Callable[[], None] | None = None) -> None:
     """Every point for every mode, then the floors and profiles of the points timed. The
-    profiler comes after all timing: a session that traces CUDA can leave the host's
-    later CUDA calls slower (where its tracing is not torn down when it ends, see
-    torch_compat.release_cuda_tracing_after_profiles), which would fall on every point
-    timed after it. A mode that fails leaves the rotation with its error; nothing new
-    starts after ``deadline``. ``done()`` runs after each point's timing and after its
-    floors and profiles."""
+    profiler comes after all timing: CUDA tracing left attached after a session makes the
+    host's later CUDA calls slower, which would fall on every point timed after it; the
+    sessions keep it attached from one to the next and release it after the last
+    (torch_compat.cuda_tracing_across_profiles). A mode that fails leaves the rotation
+    with its error; nothing new starts after ``deadline``. ``done()`` runs after each
+    point's timing and after its floors and profiles."""
     timed = []
     for isl, conc in shapes:
         if time.perf_counter() > deadline:
@@ -253,18 +260,19 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                 modes = _drop(modes, f)
         if done is not None:
             done()
-    for isl, conc in timed:
-        if time.perf_counter() > deadline:
-            print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
-            break
-        profiled = False
-        for m in list(modes):
-            try:
-                profiled |= profile_mode(m, isl, conc, args, device, floors)
-            except ModeFailed as f:
-                modes = _drop(modes, f)
-        if done is not None and profiled:
-            done()
+    with torch_compat.cuda_tracing_across_profiles():
+        for isl, conc in timed:
+            if time.perf_counter() > deadline:
+                print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
+                break
+            profiled = False
+            for m in list(modes):
+                try:
+                    profiled |= profile_mode(m, isl, conc, args, device, floors)
+                except ModeFailed as f:
+                    modes = _drop(modes, f)
+            if done is not None and profiled:
+                done()
 
 
 def _drop(modes: list[TimedMode], failed: ModeFailed) -> list[TimedMode]:
