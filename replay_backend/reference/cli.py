@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a model config field, e.g. sinkhorn_impl=fused")
     b.add_argument("--attention", type=lambda s: s.split(","), metavar="IMPL,...",
                    help="run the whole bench once per attention implementation (e.g. triton,flashinfer), "
-                        "in this process; default: the model's own")
+                        "in this process, one after the other (a later pass can read slower on the same "
+                        "host: docs/benchmarks.md); default: the model's own")
     b.add_argument("--compile-only", action="store_true",
                    help="only trace and build the replay mode, print the seconds (cold/warm compile)")
     b.set_defaults(fn=cmd_bench)
