@@ -115,42 +115,56 @@ def reduce_overhead_options() -> dict:
     return opts
 
 
+def _managed_teardown() -> bool:
+    """Whether the bench decides Kineto's CUDA-tracing teardown: not where the
+    environment turned it off (the user, or torch itself where CUDA graphs and teardown
+    crash, CUDA before 12.6), nor without CUDA."""
+    return torch.cuda.is_available() and os.environ.get("TEARDOWN_CUPTI") != "0"
+
+
 @contextlib.contextmanager
-def cuda_tracing_across_profiles() -> Iterator[None]:
-    """``torch.profiler`` sessions inside keep Kineto's CUDA tracing (CUPTI) attached
-    from one to the next, and the block releases it when it ends.
+def profile_session(activities) -> Iterator[Any]:
+    """``torch.profiler.profile(activities=...)`` that keeps Kineto's CUDA tracing
+    (CUPTI) attached when it ends; :func:`release_cuda_tracing` releases it after the
+    last session.
 
-    Kineto decides at each session's end, from ``TEARDOWN_CUPTI``, whether to tear the
-    tracing down, and does it on the process's next CUDA call. A session that starts
-    before that call has its tracing torn down under it and records no GPU activity, so
-    a teardown between back-to-back sessions can silently empty the next one. Left
-    attached after the last session, the tracing makes every later CUDA call slower on
-    the host, which would fall on whatever is timed afterwards (docs/benchmarks.md). So
-    the sessions inside run with ``TEARDOWN_CUPTI=0``, and one short CUDA session with
-    ``TEARDOWN_CUPTI=1`` and a CUDA call after it release the tracing at the end.
+    Kineto reads ``TEARDOWN_CUPTI`` as each session starts (``1``: re-attach tracing torn
+    down earlier) and as it ends (``1``: tear it down, on the process's next CUDA call). A
+    session that starts before that call has its tracing torn down under it and records
+    no GPU kernels, so a teardown between back-to-back sessions can silently empty the
+    next one. Hence ``1`` at the start and ``0`` by the end."""
+    from torch.profiler import profile
 
-    A ``TEARDOWN_CUPTI`` already set (by the user, or by torch's profiler where CUDA
-    graphs and teardown crash, CUDA before 12.6) is left alone, as is a process without
-    CUDA; where torch's profiler turned teardown off inside the block
-    (``DISABLE_CUPTI_LAZY_REINIT``), nothing is released."""
-    if "TEARDOWN_CUPTI" in os.environ or not torch.cuda.is_available():
-        yield
+    managed = _managed_teardown()
+    if managed:
+        os.environ["TEARDOWN_CUPTI"] = "1"
+    prof = profile(activities=activities)
+    prof.__enter__()
+    try:
+        if managed:
+            os.environ["TEARDOWN_CUPTI"] = "0"
+        yield prof
+    finally:
+        prof.__exit__(None, None, None)
+        if managed:
+            os.environ["TEARDOWN_CUPTI"] = "1"
+
+
+def release_cuda_tracing() -> None:
+    """Tear down the CUDA tracing that :func:`profile_session` kept attached: left
+    attached, it makes every later CUDA call slower on the host, which would fall on
+    whatever is timed afterwards (docs/benchmarks.md). One short session that ends with
+    ``TEARDOWN_CUPTI=1``, and a CUDA call after it that carries the teardown out. Not
+    where teardown is the environment's to decide, nor where torch's profiler marks a
+    session after a teardown as crashing (``DISABLE_CUPTI_LAZY_REINIT``)."""
+    if not _managed_teardown() or "DISABLE_CUPTI_LAZY_REINIT" in os.environ:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    os.environ["TEARDOWN_CUPTI"] = "0"
-    try:
-        yield
-    finally:
-        try:
-            # torch's profiler sets this where a session after a teardown crashes
-            if "DISABLE_CUPTI_LAZY_REINIT" not in os.environ:
-                os.environ["TEARDOWN_CUPTI"] = "1"
-                with profile(activities=[ProfilerActivity.CUDA]):
-                    torch.cuda.synchronize()
-                torch.cuda.synchronize()  # the CUDA call that carries the teardown out
-        finally:
-            os.environ.pop("TEARDOWN_CUPTI", None)
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    with profile(activities=[ProfilerActivity.CUDA]):
+        torch.cuda.synchronize()
+    torch.cuda.synchronize()
 
 
 def has_non_owning_alias() -> bool:

@@ -315,19 +315,23 @@ def test_every_point_is_timed_before_the_profiler_runs(tmp_path):
 
 
 class _Kineto:
-    """Kineto's CUDA tracing as the bench meets it: a session that ends with
+    """Kineto's CUDA tracing as the bench meets it. A session that ends with
     ``TEARDOWN_CUPTI=1`` has the tracing torn down on the process's next CUDA call, and a
-    session in which that call lands records no GPU kernels. While the tracing is
-    attached, CUDA calls are slower on the host (``attached``)."""
+    session in which that call lands records no GPU kernels; a session after a teardown
+    re-attaches the tracing only if it starts with ``TEARDOWN_CUPTI=1``, else it records
+    none. While attached, the tracing slows the host's CUDA calls (``attached``).
+    ``lose``: numbers of sessions that record nothing regardless (1 = the first)."""
 
-    def __init__(self) -> None:
-        self.attached = self.pending = False
+    def __init__(self, lose=()) -> None:
+        self.attached = self.pending = self.torn_down = False
         self.session = None  # the open session
-        self.released = 0
+        self.sessions = self.released = 0
+        self.lose = set(lose)
 
     def cuda_call(self) -> None:
         if self.pending:
             self.attached = self.pending = False
+            self.torn_down = True
             self.released += 1
             if self.session is not None:
                 self.session.lost = True
@@ -339,6 +343,11 @@ class _Kineto:
             lost = False
 
             def __enter__(self):
+                kineto.sessions += 1
+                self.lost = kineto.sessions in kineto.lose
+                if kineto.torn_down:
+                    self.lost |= os.environ.get("TEARDOWN_CUPTI") != "1"
+                    kineto.torn_down = False
                 kineto.session, kineto.attached = self, True
                 return self
 
@@ -380,28 +389,35 @@ def _floors_back_to_back(monkeypatch, kineto: _Kineto):
 def test_back_to_back_floors_keep_cuda_tracing_until_the_last_then_release_it(monkeypatch, reinit_off):
     """A floor taken right after another session lost its tracing to that session's
     teardown and read 0.0 ms (a GPU run with --profile-points): the sessions keep the
-    tracing attached from one to the next, and it is released once, after the last,
-    except where torch's profiler has marked a teardown unsafe."""
+    tracing attached from one to the next, it is released after the last (except where
+    torch's profiler marks a teardown unsafe), and a later pass (--attention's next
+    implementation) re-attaches it."""
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     if reinit_off:
         monkeypatch.setenv("DISABLE_CUPTI_LAZY_REINIT", "1")
     else:
         monkeypatch.delenv("DISABLE_CUPTI_LAZY_REINIT", raising=False)
     kineto = _Kineto()
+    for passes in (1, 2):
+        run, floors = _floors_back_to_back(monkeypatch, kineto)
+        assert floors == {"wide": {"8/1": 2.5, "16/1": 2.5}} and run.floor_errors == {}
+        # released: later timing runs untraced
+        assert kineto.attached is reinit_off and kineto.released == (0 if reinit_off else passes)
+
+
+def test_a_teardown_the_user_turned_off_stays_off(monkeypatch):
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    kineto = _Kineto()
     run, floors = _floors_back_to_back(monkeypatch, kineto)
-    assert floors == {"wide": {"8/1": 2.5, "16/1": 2.5}} and run.floor_errors == {}
-    assert kineto.attached is reinit_off and kineto.released == (0 if reinit_off else 1)
-    assert "TEARDOWN_CUPTI" not in os.environ  # the next pass manages it the same way
+    assert floors == {"wide": {"8/1": 2.5, "16/1": 2.5}}
+    assert kineto.attached and kineto.released == 0 and os.environ["TEARDOWN_CUPTI"] == "0"
 
 
 def test_a_floor_whose_session_recorded_no_kernels_is_reported_missing_not_zero(monkeypatch):
-    """A TEARDOWN_CUPTI the user set is theirs to keep; where it makes a session lose
-    its tracing, that point's floor is missing, and the report says why."""
-    monkeypatch.setenv("TEARDOWN_CUPTI", "1")
-    run, floors = _floors_back_to_back(monkeypatch, _Kineto())
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    run, floors = _floors_back_to_back(monkeypatch, _Kineto(lose={2}))
     assert floors == {"wide": {"8/1": 2.5}}
     assert set(run.floor_errors) == {"16/1"} and "recorded no GPU kernels" in run.floor_errors["16/1"]
-    assert os.environ["TEARDOWN_CUPTI"] == "1"
     report = {"preset": "tiny", "dtype": "float32", "device": "cuda", "torch": "x", "runs": 2, "warmup": 1,
               "max_num_batched_tokens": 64, "results": [vars(run)], "floor_ms": floors}
     text = bench.render(report)

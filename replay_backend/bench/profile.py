@@ -5,6 +5,8 @@ from typing import Callable
 
 import torch
 
+from .. import torch_compat
+
 
 def kernels(events) -> list:
     """Device-side events only: a CPU op's "self CUDA" time is its kernels' time again."""
@@ -19,14 +21,14 @@ class NoKernelsRecorded(RuntimeError):
 def kernel_floor_ms(ttft: Callable[[], float]) -> float:
     """Sum of GPU kernel times of one TTFT (the profile's device self time). Raises
     :class:`NoKernelsRecorded` when the session recorded none."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_compat.profile_session([ProfilerActivity.CUDA]) as prof:
         wall = ttft()
     ks = kernels(prof.key_averages())
     if not ks:
         raise NoKernelsRecorded(f"the profiler recorded no GPU kernels in a step of {wall:.1f} ms: its CUDA "
-                                "tracing was lost (torch_compat.cuda_tracing_across_profiles)")
+                                "tracing was lost (torch_compat.profile_session)")
     return sum(e.self_device_time_total for e in ks) / 1e3
 
 
@@ -40,12 +42,12 @@ def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str 
     import shutil
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     from .gaps import analyse_file
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with torch_compat.profile_session(acts) as prof:
         wall = ttft()
     events = prof.key_averages()
     ks = kernels(events)

@@ -241,10 +241,10 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
     """Every point for every mode, then the floors and profiles of the points timed. The
     profiler comes after all timing: CUDA tracing left attached after a session makes the
     host's later CUDA calls slower, which would fall on every point timed after it; the
-    sessions keep it attached from one to the next and release it after the last
-    (torch_compat.cuda_tracing_across_profiles). A mode that fails leaves the rotation
-    with its error; nothing new starts after ``deadline``. ``done()`` runs after each
-    point's timing and after its floors and profiles."""
+    sessions keep it attached from one to the next (torch_compat.profile_session) and
+    it is released after the last. A mode that fails leaves the rotation with its error;
+    nothing new starts after ``deadline``. ``done()`` runs after each point's timing and
+    after its floors and profiles."""
     timed = []
     for isl, conc in shapes:
         if time.perf_counter() > deadline:
@@ -260,19 +260,23 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                 modes = _drop(modes, f)
         if done is not None:
             done()
-    with torch_compat.cuda_tracing_across_profiles():
-        for isl, conc in timed:
-            if time.perf_counter() > deadline:
-                print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
-                break
-            profiled = False
-            for m in list(modes):
-                try:
-                    profiled |= profile_mode(m, isl, conc, args, device, floors)
-                except ModeFailed as f:
-                    modes = _drop(modes, f)
-            if done is not None and profiled:
-                done()
+    sessions = False
+    for isl, conc in timed:
+        if time.perf_counter() > deadline:
+            print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
+            break
+        profiled = False
+        for m in list(modes):
+            try:
+                profiled |= profile_mode(m, isl, conc, args, device, floors)
+            except ModeFailed as f:  # inside a profiler session: profile_mode runs steps only there
+                profiled = True
+                modes = _drop(modes, f)
+        sessions |= profiled
+        if done is not None and profiled:
+            done()
+    if sessions:
+        torch_compat.release_cuda_tracing()
 
 
 def _drop(modes: list[TimedMode], failed: ModeFailed) -> list[TimedMode]:
