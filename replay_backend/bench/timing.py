@@ -48,7 +48,7 @@ class ModeRun:
     # with more than one; trims_by_step)
     trim_host_us_by_step: dict = field(default_factory=dict)
     first_ms: dict = field(default_factory=dict)  # "isl/conc" -> the point's first (warm-up) run
-    # "isl/conc" -> why the point has no floor though its profile ran (profile.NoKernelsRecorded)
+    # "isl/conc" -> why the point has no floor though its floor session ran (profile.NoKernelsRecorded)
     floor_errors: dict = field(default_factory=dict)
     # "isl/conc" -> counters of SERVED_EVENTS that moved in this mode's timed
     # runs (a fallback, a capture, a copy of the trim rows): none is expected
