@@ -42,14 +42,18 @@ class StrictFallbackError(RuntimeError):
     """A fallback happened while ``strict=True``."""
 
 
-def process_fallback(reason: str, detail: str, strict: bool = False) -> None:
-    """A fallback decided once per process (not per capture, as
-    :meth:`GraphResources.fallback`): raise when strict, else count it and log it the
-    first time."""
+def process_fallback(reason: str, detail: str, strict: bool = False, logged: set | None = None) -> None:
+    """A fallback: raise :class:`StrictFallbackError` when ``strict``, else count it and
+    log it once, once per ``logged`` (the reasons a backend's resources have logged,
+    :meth:`GraphResources.fallback`) or, for one decided once per process, when the
+    process-wide count first reaches one."""
     if strict:
         raise StrictFallbackError(f"{reason}: {detail} (strict=True turns fallbacks into errors)")
     counters.fallbacks[reason] += 1
-    if counters.fallbacks[reason] == 1:
+    first = counters.fallbacks[reason] == 1 if logged is None else reason not in logged
+    if first:
+        if logged is not None:
+            logged.add(reason)
         log.warning("dsv41_replay fallback [%s]: %s", reason, detail)
 
 
@@ -74,13 +78,8 @@ class GraphResources:
             self.stream = torch.cuda.Stream()
 
     def fallback(self, reason: str, detail: str) -> None:
-        """Count a fallback, log it once per reason, or raise when strict."""
-        counters.fallbacks[reason] += 1
-        if self.strict:
-            raise StrictFallbackError(f"{reason}: {detail} (strict=True turns fallbacks into errors)")
-        if reason not in self._logged:
-            self._logged.add(reason)
-            log.warning("dsv41_replay fallback [%s]: %s", reason, detail)
+        """Count a fallback and log it once per reason, or raise when strict."""
+        process_fallback(reason, detail, self.strict, self._logged)
 
 
 @dataclass
