@@ -50,10 +50,12 @@ def process_fallback(reason: str, detail: str, strict: bool = False, logged: set
     if strict:
         raise StrictFallbackError(f"{reason}: {detail} (strict=True turns fallbacks into errors)")
     counters.fallbacks[reason] += 1
-    first = counters.fallbacks[reason] == 1 if logged is None else reason not in logged
+    if logged is None:
+        first = counters.fallbacks[reason] == 1
+    else:
+        first = reason not in logged
+        logged.add(reason)
     if first:
-        if logged is not None:
-            logged.add(reason)
         log.warning("dsv41_replay fallback [%s]: %s", reason, detail)
 
 
