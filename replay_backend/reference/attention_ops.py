@@ -132,6 +132,13 @@ def effective_attention(impl: str, device) -> str:
     return "triton" if _use_triton(impl, torch.device(device)) else "reference"
 
 
+def view_fields(impl: str, device) -> dict:
+    """The per-view metadata a runner builds with each batch for ``impl`` on ``device``:
+    the Triton kernel's row blocks, or nothing. Building blocks no kernel reads costs a
+    FlashInfer or reference step host time before its first kernel, growing with its rows."""
+    return VIEW_FIELDS if effective_attention(impl, device) == "triton" else {}
+
+
 def split_warmup_seq_len(cfg, max_model_len: int, device) -> int:
     """The sequence length of a one-block warm-up request whose attention takes every
     split variant of the kernel that a served step can take (0: none can: no Triton

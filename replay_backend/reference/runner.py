@@ -95,6 +95,7 @@ class StepRunner:
         self.device, self.dtype = p.device, p.dtype
         self.layout = CacheLayout(max_model_len, max_num_seqs)
         self.tokens = PromptTokens(self.cfg.vocab_size, max_model_len)
+        self.view_fields = attention_ops.view_fields(self.cfg.attention_impl, self.device)
         self.kv = KVCaches(self.cfg, self.layout, self.device, self.dtype)
         # FlashInfer plans each view on the host before attention reads it (prepare_view).
         self.attention = None
@@ -178,7 +179,7 @@ class StepRunner:
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
                                 self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None,
                                 metadata=self.metadata if self._serving() else None,
-                                view_fields=attention_ops.VIEW_FIELDS)
+                                view_fields=self.view_fields)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
@@ -277,7 +278,7 @@ class StepRunner:
     def dummy_batch(self, num_tokens: int, context: int = 0) -> StepBatch:
         """:func:`~replay_backend.batch.dummy_step_batch` for this runner's cache."""
         return dummy_step_batch(num_tokens, self.layout, self.cfg.window, self.device, context,
-                                attention_ops.VIEW_FIELDS)
+                                self.view_fields)
 
     def _compiled_for_capture(self):
         if self.backend is None:
