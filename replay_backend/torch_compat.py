@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import logging
 import os
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -115,56 +116,70 @@ def reduce_overhead_options() -> dict:
     return opts
 
 
-def _managed_teardown() -> bool:
-    """Whether the bench decides Kineto's CUDA-tracing teardown: not where the
-    environment turned it off (the user, or torch itself where CUDA graphs and teardown
-    crash, CUDA before 12.6), nor without CUDA."""
-    return torch.cuda.is_available() and os.environ.get("TEARDOWN_CUPTI") != "0"
+def cuda_tracing_releasable() -> bool:
+    """Whether :func:`release_cuda_tracing` may tear Kineto's CUDA tracing down: on CUDA,
+    unless the environment set ``TEARDOWN_CUPTI=0`` (the user, or torch itself where CUDA
+    graphs and teardown crash, CUDA before 12.6) or torch's profiler marks a session
+    after a teardown as crashing (``DISABLE_CUPTI_LAZY_REINIT``). Ask before the first
+    :func:`profile_session` of a phase: the sessions set the variable to ``0``."""
+    return (torch.cuda.is_available() and os.environ.get("TEARDOWN_CUPTI") != "0"
+            and "DISABLE_CUPTI_LAZY_REINIT" not in os.environ)
 
 
 @contextlib.contextmanager
 def profile_session(activities) -> Iterator[Any]:
-    """``torch.profiler.profile(activities=...)`` that keeps Kineto's CUDA tracing
+    """``torch.profiler.profile(activities=...)`` that leaves Kineto's CUDA tracing
     (CUPTI) attached when it ends; :func:`release_cuda_tracing` releases it after the
     last session.
 
-    Kineto reads ``TEARDOWN_CUPTI`` as each session starts (``1``: re-attach tracing torn
-    down earlier) and as it ends (``1``: tear it down, on the process's next CUDA call). A
-    session that starts before that call has its tracing torn down under it and records
-    no GPU kernels, so a teardown between back-to-back sessions can silently empty the
-    next one. Hence ``1`` at the start and ``0`` by the end."""
+    Kineto resets its trace state as each session starts and again as it ends. A reset
+    with ``TEARDOWN_CUPTI`` set to ``1`` (or, in some Kineto versions, unset) while the
+    tracing is attached starts a teardown, carried out on the process's next CUDA call,
+    and a session in which that call lands records no GPU kernels: a reset at one
+    session's end can empty the next one, a reset at a session's start empties that
+    session itself. So the variable is ``0`` from each session's start on, and stays
+    ``0``: every later session starts with the tracing attached and nothing to tear
+    down. A session's start sees the variable as left before it: at the process's
+    first session nothing is attached yet, and after :func:`release_cuda_tracing` it
+    is ``1``, under which the start re-attaches the torn-down tracing (Kineto's lazy
+    re-init)."""
     from torch.profiler import profile
 
-    managed = _managed_teardown()
-    if managed:
-        os.environ["TEARDOWN_CUPTI"] = "1"
     prof = profile(activities=activities)
     prof.__enter__()
     try:
-        if managed:
+        if torch.cuda.is_available():
             os.environ["TEARDOWN_CUPTI"] = "0"
         yield prof
     finally:
         prof.__exit__(None, None, None)
-        if managed:
-            os.environ["TEARDOWN_CUPTI"] = "1"
 
 
 def release_cuda_tracing() -> None:
-    """Tear down the CUDA tracing that :func:`profile_session` kept attached: left
-    attached, it makes every later CUDA call slower on the host, which would fall on
-    whatever is timed afterwards (docs/benchmarks.md). One short session that ends with
-    ``TEARDOWN_CUPTI=1``, and a CUDA call after it that carries the teardown out. Not
-    where teardown is the environment's to decide, nor where torch's profiler marks a
-    session after a teardown as crashing (``DISABLE_CUPTI_LAZY_REINIT``)."""
-    if not _managed_teardown() or "DISABLE_CUPTI_LAZY_REINIT" in os.environ:
-        return
+    """Tear down the CUDA tracing that :func:`profile_session` left attached: attached,
+    it makes every later CUDA call slower on the host, which would fall on whatever is
+    timed afterwards (docs/benchmarks.md). Only where :func:`cuda_tracing_releasable`
+    said so before the sessions.
+
+    One short session whose start resets with ``TEARDOWN_CUPTI=1``, which starts the
+    teardown; ``0`` by its end, so its end starts no second one; then CUDA calls that
+    carry the teardown out (Kineto runs it from a thread of its own, so a few, a moment
+    apart). The variable is left at ``1``, under which the next session re-attaches
+    the tracing."""
     from torch.profiler import ProfilerActivity, profile
 
     os.environ["TEARDOWN_CUPTI"] = "1"
     with profile(activities=[ProfilerActivity.CUDA]):
+        os.environ["TEARDOWN_CUPTI"] = "0"
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    for _ in range(_RELEASE_CALLS):
+        time.sleep(_RELEASE_PAUSE_S)
         torch.cuda.synchronize()
-    torch.cuda.synchronize()
+
+
+# The CUDA calls after the release's session, and the pause before each: Kineto's
+# teardown thread arms the teardown a moment after the session's start.
+_RELEASE_CALLS, _RELEASE_PAUSE_S = 3, 0.01
 
 
 def has_non_owning_alias() -> bool:

@@ -315,18 +315,30 @@ def test_every_point_is_timed_before_the_profiler_runs(tmp_path):
 
 
 class _Kineto:
-    """Kineto's CUDA tracing as the bench meets it. A session that ends with
-    ``TEARDOWN_CUPTI=1`` has the tracing torn down on the process's next CUDA call, and a
-    session in which that call lands records no GPU kernels; a session after a teardown
-    re-attaches the tracing only if it starts with ``TEARDOWN_CUPTI=1``, else it records
-    none. While attached, the tracing slows the host's CUDA calls (``attached``).
-    ``lose``: numbers of sessions that record nothing regardless (1 = the first)."""
+    """Kineto's CUDA tracing (CUPTI) as the bench meets it, as its source has it.
+
+    Each session resets Kineto's trace state as it starts and again as it ends, and each
+    reset with ``TEARDOWN_CUPTI`` unset or ``1`` while the tracing is attached starts a
+    teardown, carried out on the process's next CUDA call: a session in which that call
+    lands records no GPU kernels. A session that starts after a teardown re-attaches the
+    tracing only with ``TEARDOWN_CUPTI=1`` (lazy re-init) and without
+    ``DISABLE_CUPTI_LAZY_REINIT``, else it records none. While attached, the tracing
+    slows the host's CUDA calls (``attached``). ``lose``: numbers of sessions that record
+    nothing regardless (1 = the first)."""
 
     def __init__(self, lose=()) -> None:
         self.attached = self.pending = self.torn_down = False
         self.session = None  # the open session
         self.sessions = self.released = 0
         self.lose = set(lose)
+
+    @staticmethod
+    def _teardown_on() -> bool:
+        return os.environ.get("TEARDOWN_CUPTI", "1") == "1"
+
+    def _reset(self) -> None:
+        if self.attached and self._teardown_on():
+            self.pending = True
 
     def cuda_call(self) -> None:
         if self.pending:
@@ -345,15 +357,18 @@ class _Kineto:
             def __enter__(self):
                 kineto.sessions += 1
                 self.lost = kineto.sessions in kineto.lose
+                kineto._reset()
                 if kineto.torn_down:
-                    self.lost |= os.environ.get("TEARDOWN_CUPTI") != "1"
-                    kineto.torn_down = False
+                    reinit = kineto._teardown_on() and "DISABLE_CUPTI_LAZY_REINIT" not in os.environ
+                    self.lost |= not reinit
+                    kineto.torn_down = not reinit
                 kineto.session, kineto.attached = self, True
+                kineto.cuda_call()  # the profiler's own start makes CUDA calls
                 return self
 
             def __exit__(self, *exc):
                 kineto.session = None
-                kineto.pending = os.environ.get("TEARDOWN_CUPTI") == "1"
+                kineto._reset()
 
             def key_averages(self):
                 cuda = torch.autograd.DeviceType.CUDA

@@ -260,23 +260,27 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                 modes = _drop(modes, f)
         if done is not None:
             done()
+    # Asked before the sessions, which set what it reads (torch_compat.profile_session).
+    releasable = torch_compat.cuda_tracing_releasable()
     sessions = False
-    for isl, conc in timed:
-        if time.perf_counter() > deadline:
-            print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
-            break
-        profiled = False
-        for m in list(modes):
-            try:
-                profiled |= profile_mode(m, isl, conc, args, device, floors)
-            except ModeFailed as f:  # inside a profiler session: profile_mode runs steps only there
-                profiled = True
-                modes = _drop(modes, f)
-        sessions |= profiled
-        if done is not None and profiled:
-            done()
-    if sessions:
-        torch_compat.release_cuda_tracing()
+    try:
+        for isl, conc in timed:
+            if time.perf_counter() > deadline:
+                print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
+                break
+            profiled = False
+            for m in list(modes):
+                try:
+                    profiled |= profile_mode(m, isl, conc, args, device, floors)
+                except ModeFailed as f:  # inside a profiler session: profile_mode runs steps only there
+                    profiled = True
+                    modes = _drop(modes, f)
+            sessions |= profiled
+            if done is not None and profiled:
+                done()
+    finally:
+        if sessions and releasable:
+            torch_compat.release_cuda_tracing()
 
 
 def _drop(modes: list[TimedMode], failed: ModeFailed) -> list[TimedMode]:
