@@ -246,6 +246,91 @@ def test_without_plan_memory_to_clear_every_graph_plan_splits(models):
         fi.FlashInferAttention(*args, factory=NoPlanMemoryWrapper, strict=True)
 
 
+class CountingWrapper(flashinfer_semantics.EmulatedPrefillWrapper):
+    """The emulation, counting its ``run()`` calls and its kernel module's calls."""
+
+    def __init__(self, graph_buffers) -> None:
+        super().__init__(graph_buffers)
+        self.runs = self.kernel_calls = 0
+        kernels, wrapper = self._cached_module, self
+
+        class Counted:
+            def paged_run(self, *args):
+                wrapper.kernel_calls += 1
+                return kernels.paged_run(*args)
+
+        self._cached_module = Counted()
+
+    def run(self, *args, **kw) -> None:
+        self.runs += 1
+        super().run(*args, **kw)
+
+
+class FreshArgumentWrapper(CountingWrapper):
+    """Hands its kernels a fresh copy of the plan's page pointers at every call: no
+    argument list can be learned from its calls."""
+
+    def run(self, q, kv, *, out, lse, return_lse) -> None:
+        self.runs += 1
+        self._cached_module.paged_run(self._int_workspace_buffer, self.work, self.qo, list(self.kv), self.indices,
+                                      q, kv[0], kv[1], out, lse, self.window_left, self.scale)
+
+
+def test_a_plans_later_calls_go_straight_to_the_kernels(models):
+    """After each plan a wrapper's first two calls go through its run(), recorded; the
+    plan's later calls pass the recorded arguments with their own tensors straight to
+    the kernel module, and every step still agrees with the reference."""
+    from replay_backend.counters import counters
+
+    ref, fim = models
+    made = []
+
+    def factory(buffers):
+        made.append(CountingWrapper(buffers))
+        return made[-1]
+
+    runner = StepRunner(fim, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+                        attention_wrapper_factory=factory)
+    oracle = _runner(ref)
+    with counters.expect(fallbacks={}):
+        for i, reqs in enumerate(COMPOSITIONS):
+            _agree(runner, oracle, reqs, i)
+    assert made and sum(w.kernel_calls for w in made) > sum(w.runs for w in made)
+    for w in made:
+        assert w.runs == min(w.kernel_calls, 2 * w.plans), (w.runs, w.kernel_calls, w.plans)
+
+
+def test_a_plan_whose_calls_differ_beyond_their_tensors_keeps_run(models):
+    """Where two calls of one plan hand the kernels arguments that differ beyond the
+    call's tensors, nothing is learned: every call goes through run(), a counted, logged
+    fallback, an error when strict."""
+    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.counters import counters
+
+    ref, fim = models
+    made = []
+
+    def factory(buffers):
+        made.append(FreshArgumentWrapper(buffers))
+        return made[-1]
+
+    runner = StepRunner(fim, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+                        attention_wrapper_factory=factory)
+    before = counters.fallbacks["flashinfer_direct_call"]
+    _agree(runner, _runner(ref), COMPOSITIONS[0], 0)
+    assert counters.fallbacks["flashinfer_direct_call"] > before
+    assert all(w.runs == w.kernel_calls for w in made)
+    strict = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 4097, MAX_MODEL_LEN,
+                                    "cpu", torch.float32, factory=FreshArgumentWrapper, strict=True)
+    batch = _runner(fim).build_batch([RequestChunk("a", 40, 40)])
+    strict.prepare(batch.view, None)
+    q = torch.randn(40, fim.cfg.num_heads, fim.cfg.head_dim)
+    cache = torch.randn(strict.num_slots, fim.cfg.head_dim)
+    fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(fim.cfg.num_heads))
+    with pytest.raises(StrictFallbackError, match="flashinfer_direct_call"):
+        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(fim.cfg.num_heads))
+
+
 def test_flashinfer_needs_its_package_cuda_and_a_16_bit_model(models):
     _, fim = models
     with pytest.raises(ValueError, match="attention_impl='flashinfer'"):

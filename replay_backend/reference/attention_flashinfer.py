@@ -89,8 +89,8 @@ class FlashInferAttention:
     ``factory(graph_buffers)`` makes a wrapper (``graph_buffers``: None, or the
     CUDA-graph buffers by FlashInfer's argument names); the default makes FlashInfer's
     ``BatchPrefillWithPagedKVCacheWrapper`` on this object's workspaces. The CPU tests
-    pass an emulation of it. ``strict``: the ``flashinfer_graph_split`` fallback (below)
-    is an error."""
+    pass an emulation of it. ``strict``: the ``flashinfer_graph_split`` and
+    ``flashinfer_direct_call`` fallbacks are errors."""
 
     # Outside inference mode: a wrapper's buffers and workspaces outlive the call that
     # made them and every plan updates them in place, which an inference tensor refuses
@@ -98,7 +98,7 @@ class FlashInferAttention:
     @torch.inference_mode(False)
     def __init__(self, cfg, num_slots: int, max_num_seqs: int, max_rows: int, max_request_rows: int, device,
                  dtype, factory=None, strict: bool = False) -> None:
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.cfg, self.device, self.dtype, self.strict = cfg, torch.device(device), dtype, strict
         self.cuda = self.device.type == "cuda"
         self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
         self.max_request_rows = max(1, min(cfg.window, max_request_rows))
@@ -242,8 +242,13 @@ class FlashInferAttention:
                            "paged_kv_indices_buf": torch.zeros(max(self.num_slots, pages), **i32),
                            "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
             split = size is None or self._graph_splits(size)
-            w = self._wrappers[(slot, part)] = Wrapper(self.factory(buffers), split, self.turns, self.cuda)
+            w = self._wrappers[(slot, part)] = Wrapper(self.factory(buffers), split, self.turns, self.cuda,
+                                                       self._run_fallback)
         return w
+
+    def _run_fallback(self, detail: str) -> None:
+        process_fallback("flashinfer_direct_call", f"a FlashInfer plan's calls go through its run(): {detail}",
+                         self.strict)
 
     def _flashinfer_wrapper(self, graph_buffers: dict | None):
         # fa2: FlashInfer's kernels with CUDA-graph plans, sliding windows and page size 1.

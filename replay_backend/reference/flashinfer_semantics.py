@@ -44,6 +44,7 @@ class EmulatedPrefillWrapper:
         self._int_workspace_buffer = torch.zeros(WORK_BYTES, dtype=torch.uint8)
         self._pin_memory_int_workspace_buffer = torch.full((WORK_BYTES,), 0xAB, dtype=torch.uint8)
         self.work: tuple[int, int] | None = None  # a graph plan's (listed, launched) work items
+        self._cached_module = _Kernels()
         self.plans = 0
         self.plan_rows: list[int] = []
         self.staged_in: list[int] = []  # the staging buffer of each plan, by address
@@ -104,32 +105,42 @@ class EmulatedPrefillWrapper:
         return len(items), launched
 
     def run(self, q, kv, *, out, lse, return_lse) -> None:
-        k = kv[0].reshape(kv[0].shape[0], -1)
         assert kv[0] is kv[1] and return_lse
         if q.shape[0] != self.qo[-1]:
             raise ValueError(f"q has {q.shape[0]} rows, the plan {self.qo[-1]}")
-        if self.work is not None:
-            listed, launched = self.work
-            extra = self._int_workspace_buffer[:4 * launched].view(torch.int32)[listed:]
-            wild = extra[(extra < 0) | (extra >= len(self.qo) - 1)]
+        self._cached_module.paged_run(self._int_workspace_buffer, self.work, self.qo, self.kv, self.indices, q,
+                                      kv[0], kv[1], out, lse, self.window_left, self.scale)
+
+
+class _Kernels:
+    """The emulated kernel module: as FlashInfer's wrapper does, ``run`` checks its call
+    and ends in ``paged_run``, which reads the plan from its arguments alone."""
+
+    @staticmethod
+    def paged_run(int_workspace, work, qo, kv_indptr, indices, q, k, v, out, lse, window_left, scale) -> None:
+        k = k.reshape(k.shape[0], -1)
+        if work is not None:
+            listed, launched = work
+            extra = int_workspace[:4 * launched].view(torch.int32)[listed:]
+            wild = extra[(extra < 0) | (extra >= len(qo) - 1)]
             if wild.numel():
                 raise RuntimeError(f"CUDA error: an illegal memory access was encountered (emulated: a block "
                                    f"past the plan's {listed} work items read request {int(wild[0])} of "
-                                   f"{len(self.qo) - 1})")
+                                   f"{len(qo) - 1})")
         out.zero_()
         lse.fill_(-math.inf)
-        for i in range(len(self.qo) - 1):
-            r0, r1, n = self.qo[i], self.qo[i + 1], self.qo[i + 1] - self.qo[i]
-            keys = k[self.indices[self.kv[i]:self.kv[i + 1]].long()].float()
+        for i in range(len(qo) - 1):
+            r0, r1, n = qo[i], qo[i + 1], qo[i + 1] - qo[i]
+            keys = k[indices[kv_indptr[i]:kv_indptr[i + 1]].long()].float()
             if n == 0 or keys.shape[0] == 0:
                 continue
             r = torch.arange(n, device=keys.device)[:, None]
             j = torch.arange(keys.shape[0], device=keys.device)[None, :]
             shift = keys.shape[0] - n
             seen = j <= r + shift
-            if self.window_left >= 0:
-                seen &= j >= r + shift - self.window_left
-            s = torch.einsum("qhd,kd->hqk", q[r0:r1].float(), keys) * self.scale
+            if window_left >= 0:
+                seen &= j >= r + shift - window_left
+            s = torch.einsum("qhd,kd->hqk", q[r0:r1].float(), keys) * scale
             s = s.masked_fill(~seen[None], -math.inf)
             total = torch.logsumexp(s, dim=-1)  # [heads, rows]
             p = torch.exp(s - total[..., None]).nan_to_num(0.0)

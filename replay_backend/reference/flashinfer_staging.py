@@ -65,11 +65,14 @@ class Wrapper:
     """A FlashInfer prefill wrapper, whether its plans split their keys, the plan it holds
     now (``holds``), and one staging buffer per turn where there is more than one turn
     (the first its own, the others zeroed). A wrapper whose plans do not split starts
-    with its own plan memory cleared too, as flashinfer_compat requires."""
+    with its own plan memory cleared too, as flashinfer_compat requires. Its calls go
+    straight to its kernels once learned (flashinfer_compat.DirectCalls, which reports
+    a plan that keeps ``run()`` through ``fallback(detail)``)."""
 
-    def __init__(self, inner, split: bool, turns: int, pinned: bool) -> None:
+    def __init__(self, inner, split: bool, turns: int, pinned: bool, fallback) -> None:
         self.inner, self.split = inner, split
         self.holds = None
+        self.calls = flashinfer_compat.DirectCalls(inner, fallback)
         if not split and not flashinfer_compat.clear_plan_memory(inner):
             flashinfer_compat.staging_buffer(inner)  # raises: the start-up probe's wrapper had it
         self.staging: list[torch.Tensor] = []
@@ -82,6 +85,7 @@ class Wrapper:
         if self.staging:
             flashinfer_compat.stage_plans_in(self.inner, self.staging[turn])
         self.inner.plan(disable_split_kv=not self.split, **kw)
+        self.calls.planned()
 
     def run(self, q, kv, out, lse) -> None:
-        self.inner.run(q, kv, out=out, lse=lse, return_lse=True)
+        self.calls(q, kv, out, lse)
