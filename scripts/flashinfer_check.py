@@ -88,6 +88,10 @@ class Checked:
         self.semantics = EmulatedPrefillWrapper(None)
         self.plan_summary: PlanSummary | None = None
 
+    # Every call through run(), where it is checked: none straight to the kernels
+    # (flashinfer_compat.DirectCalls).
+    direct_calls = False
+
     # The real wrapper's own state (underscored) is its own, read and written through
     # this one: the attention hands it staging buffers in turns (flashinfer_compat).
     def __getattr__(self, name):

@@ -31,6 +31,7 @@ from replay_backend.batch import RequestChunk
 from replay_backend.bench.profile import NoKernelsRecorded, kernel_floor_ms
 from replay_backend.bench.run import WIDE_SIZES
 from replay_backend.bench.timing import host_probe
+from replay_backend.torch_compat import CudaTracing
 from replay_backend.reference import build_model, preset
 from replay_backend.reference.runner import StepRunner
 
@@ -144,9 +145,10 @@ def main() -> int:
     for impl, ph in phases.items():
         med = {key: statistics.median(v) for key, v in samples[impl].items()}
         print(f"{impl} {point}: " + ", ".join(f"{key} {v:.3f}" for key, v in med.items()), flush=True)
+    tracing = CudaTracing()
     for impl, ph in phases.items():
         try:
-            floor = (kernel_floor_ms(lambda ph=ph: ph.full("floor")["full"] * 1e3)
+            floor = (kernel_floor_ms(lambda ph=ph: ph.full("floor")["full"] * 1e3, tracing)
                      if torch.cuda.is_available() else None)
         except NoKernelsRecorded as e:
             floor = None

@@ -246,23 +246,31 @@ def test_without_plan_memory_to_clear_every_graph_plan_splits(models):
         fi.FlashInferAttention(*args, factory=NoPlanMemoryWrapper, strict=True)
 
 
+class _CountedKernels:
+    """A kernel module that counts its calls for its wrapper, per plan."""
+
+    def __init__(self, kernels, wrapper) -> None:
+        self.kernels, self.wrapper = kernels, wrapper
+
+    def paged_run(self, *args):
+        self.wrapper.counts[-1][1] += 1
+        return self.kernels.paged_run(*args)
+
+
 class CountingWrapper(flashinfer_semantics.EmulatedPrefillWrapper):
-    """The emulation, counting its ``run()`` calls and its kernel module's calls."""
+    """The emulation, counting per plan its ``run()`` calls and its kernels' calls."""
 
     def __init__(self, graph_buffers) -> None:
         super().__init__(graph_buffers)
-        self.runs = self.kernel_calls = 0
-        kernels, wrapper = self._cached_module, self
+        self.counts: list[list[int]] = []  # [run() calls, kernel calls] per plan
+        self._cached_module = _CountedKernels(self._cached_module, self)
 
-        class Counted:
-            def paged_run(self, *args):
-                wrapper.kernel_calls += 1
-                return kernels.paged_run(*args)
-
-        self._cached_module = Counted()
+    def plan(self, **kw) -> None:
+        super().plan(**kw)
+        self.counts.append([0, 0])
 
     def run(self, *args, **kw) -> None:
-        self.runs += 1
+        self.counts[-1][0] += 1
         super().run(*args, **kw)
 
 
@@ -270,10 +278,21 @@ class FreshArgumentWrapper(CountingWrapper):
     """Hands its kernels a fresh copy of the plan's page pointers at every call: no
     argument list can be learned from its calls."""
 
-    def run(self, q, kv, *, out, lse, return_lse) -> None:
-        self.runs += 1
-        self._cached_module.paged_run(self._int_workspace_buffer, self.work, self.qo, list(self.kv), self.indices,
-                                      q, kv[0], kv[1], out, lse, self.window_left, self.scale)
+    def run(self, *args, **kw) -> None:
+        self.kv = list(self.kv)
+        super().run(*args, **kw)
+
+
+def _counting_runner(fim, wrapper_class):
+    made = []
+
+    def factory(buffers):
+        made.append(wrapper_class(buffers))
+        return made[-1]
+
+    runner = StepRunner(fim, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+                        attention_wrapper_factory=factory)
+    return runner, made
 
 
 def test_a_plans_later_calls_go_straight_to_the_kernels(models):
@@ -283,43 +302,50 @@ def test_a_plans_later_calls_go_straight_to_the_kernels(models):
     from replay_backend.counters import counters
 
     ref, fim = models
-    made = []
-
-    def factory(buffers):
-        made.append(CountingWrapper(buffers))
-        return made[-1]
-
-    runner = StepRunner(fim, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                        attention_wrapper_factory=factory)
+    runner, made = _counting_runner(fim, CountingWrapper)
     oracle = _runner(ref)
     with counters.expect(fallbacks={}):
         for i, reqs in enumerate(COMPOSITIONS):
             _agree(runner, oracle, reqs, i)
-    assert made and sum(w.kernel_calls for w in made) > sum(w.runs for w in made)
-    for w in made:
-        assert w.runs == min(w.kernel_calls, 2 * w.plans), (w.runs, w.kernel_calls, w.plans)
+    plans = [c for w in made for c in w.counts]
+    assert any(kernel > 2 for _, kernel in plans)
+    assert all(runs == min(kernel, 2) for runs, kernel in plans), plans
+
+
+def test_a_learned_call_with_other_tensors_goes_through_run(models):
+    """A call whose tensors differ in shape from the ones its plan's calls were learned
+    from goes through run(), whose checks see it: here a query of the wrong row count."""
+    _, fim = models
+    att = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 4097, MAX_MODEL_LEN,
+                                 "cpu", torch.float32, factory=CountingWrapper)
+    batch = _runner(fim).build_batch([RequestChunk("a", 40, 40)])
+    att.prepare(batch.view, None)
+    heads, d = fim.cfg.num_heads, fim.cfg.head_dim
+    q, cache, sink = torch.randn(40, heads, d), torch.randn(att.num_slots, d), torch.zeros(heads)
+    for _ in range(3):
+        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, sink)
+    wrapper = att._wrappers[("main", ("swa", False))]
+    assert wrapper.inner.counts[-1] == [2, 3]
+    planned = batch.view.derived[fi.PLAN][("swa", False)]
+    with pytest.raises(ValueError, match="q has 39 rows, the plan 40"):
+        wrapper.run(q[:39], (cache.view(-1, 1, 1, d),) * 2, torch.empty_like(q[:39]), torch.empty(39, heads))
+    assert wrapper.inner.counts[-1] == [3, 4] and planned.wrapper is wrapper
 
 
 def test_a_plan_whose_calls_differ_beyond_their_tensors_keeps_run(models):
     """Where two calls of one plan hand the kernels arguments that differ beyond the
-    call's tensors, nothing is learned: every call goes through run(), a counted, logged
-    fallback, an error when strict."""
+    call's tensors, nothing is learned: every call of that plan goes through run(), one
+    counted, logged fallback per plan, an error when strict."""
     from replay_backend.capture.graphs import StrictFallbackError
     from replay_backend.counters import counters
 
     ref, fim = models
-    made = []
-
-    def factory(buffers):
-        made.append(FreshArgumentWrapper(buffers))
-        return made[-1]
-
-    runner = StepRunner(fim, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                        attention_wrapper_factory=factory)
+    runner, made = _counting_runner(fim, FreshArgumentWrapper)
     before = counters.fallbacks["flashinfer_direct_call"]
     _agree(runner, _runner(ref), COMPOSITIONS[0], 0)
-    assert counters.fallbacks["flashinfer_direct_call"] > before
-    assert all(w.runs == w.kernel_calls for w in made)
+    plans = [c for w in made for c in w.counts]
+    assert all(runs == kernel for runs, kernel in plans) and any(kernel > 2 for _, kernel in plans)
+    assert counters.fallbacks["flashinfer_direct_call"] - before == sum(kernel >= 2 for _, kernel in plans)
     strict = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 4097, MAX_MODEL_LEN,
                                     "cpu", torch.float32, factory=FreshArgumentWrapper, strict=True)
     batch = _runner(fim).build_batch([RequestChunk("a", 40, 40)])
@@ -430,6 +456,7 @@ def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkey
     request, and the step drifts from PyTorch's attention."""
     assert _flashinfer_check(monkeypatch, StandInWrapper).main(ARGV) == 0
     out = capsys.readouterr().out
+    assert "15 FlashInfer calls" in out, out  # every call checked: none straight to the kernels
     assert "0 above 0.02 (and 0 while building its context)" in out and "OUT OF BOUNDS" not in out, out
     check = _flashinfer_check(monkeypatch, WrongRowWrapper)
     assert check.main(ARGV + ["--no-split", "--dump", str(tmp_path)]) == 1

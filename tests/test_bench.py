@@ -318,8 +318,8 @@ class _Kineto:
     """Kineto's CUDA tracing (CUPTI) as the bench meets it, as its source has it.
 
     Each session resets Kineto's trace state as it starts and again as it ends, and each
-    reset with ``TEARDOWN_CUPTI`` unset or ``1`` while the tracing is attached starts a
-    teardown, carried out on the process's next CUDA call: a session in which that call
+    reset with ``TEARDOWN_CUPTI=1`` (unset too, here: the stricter reading) while the
+    tracing is attached starts a teardown, carried out on the process's next CUDA call: a session in which that call
     lands records no GPU kernels. A session that starts after a teardown re-attaches the
     tracing only with ``TEARDOWN_CUPTI=1`` (lazy re-init) and without
     ``DISABLE_CUPTI_LAZY_REINIT``, else it records none. While attached, the tracing
@@ -377,7 +377,7 @@ class _Kineto:
         return Session()
 
 
-def _floors_back_to_back(monkeypatch, kineto: _Kineto):
+def _floors_back_to_back(monkeypatch, kineto: _Kineto, profile_points=()):
     """The floors of two points of ``replay``, taken as time_points takes them on a GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: kineto.cuda_call())
@@ -395,7 +395,8 @@ def _floors_back_to_back(monkeypatch, kineto: _Kineto):
 
     mode = bench_timing.TimedMode(bench.ModeRun("replay", "wide"), Runner())
     floors: dict = {}
-    args = SimpleNamespace(warmup=1, runs=2, profile_out=None, profile_points=[])
+    args = SimpleNamespace(warmup=1, runs=2, profile_out="prof.md" if profile_points else None,
+                           profile_points=list(profile_points))
     bench_timing.time_points([mode], [(8, 1), (16, 1)], float("inf"), args, "cuda", floors, [])
     return mode.run, floors
 
@@ -418,6 +419,24 @@ def test_back_to_back_floors_keep_cuda_tracing_until_the_last_then_release_it(mo
         assert floors == {"wide": {"8/1": 2.5, "16/1": 2.5}} and run.floor_errors == {}
         # released: later timing runs untraced
         assert kineto.attached is reinit_off and kineto.released == (0 if reinit_off else passes)
+
+
+def test_an_error_after_a_floor_still_releases_the_tracing(monkeypatch):
+    """A profile that fails after its session (its file cannot be written), the first
+    session of the phase, ends the phase with the error, and the tracing that session
+    left attached is still released."""
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.delenv("DISABLE_CUPTI_LAZY_REINIT", raising=False)
+
+    def unwritable(path, title, ttft, trace_dir=None, tracing=None):
+        bench_timing.kernel_floor_ms(ttft, tracing)  # the profile's session
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(bench_timing, "profile_to", unwritable)
+    kineto = _Kineto()
+    with pytest.raises(OSError, match="read-only"):
+        _floors_back_to_back(monkeypatch, kineto, profile_points=["8/1"])
+    assert kineto.sessions == 2 and not kineto.attached and kineto.released == 1
 
 
 def test_a_teardown_the_user_turned_off_stays_off(monkeypatch):

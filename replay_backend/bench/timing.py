@@ -198,17 +198,19 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, trim_host_u
           flush=True)
 
 
-def profile_mode(m: TimedMode, isl: int, conc: int, args, device: str, floors: dict) -> bool:
-    """One mode's profile at one point, where asked for, and ``replay``'s kernel floor;
-    whether it did either."""
+def profile_mode(m: TimedMode, isl: int, conc: int, args, device: str, floors: dict,
+                 tracing: torch_compat.CudaTracing) -> bool:
+    """One mode's profile at one point, where asked for, and ``replay``'s kernel floor,
+    in sessions of ``tracing``; whether it did either."""
     point = f"{isl}/{conc}"
     profiled = bool(args.profile_out) and point in args.profile_points
     if profiled:
         profile_to(args.profile_out, f"{m.run.mode}/{m.run.setting} {point}",
-                   lambda: m.ttft(isl, conc, "prof"), getattr(args, "trace_dir", None))
+                   lambda: m.ttft(isl, conc, "prof"), getattr(args, "trace_dir", None), tracing)
     if m.run.mode == "replay" and device == "cuda":
         try:
-            floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"))
+            floors.setdefault(m.run.setting, {})[point] = kernel_floor_ms(lambda: m.ttft(isl, conc, "floor"),
+                                                                          tracing)
         except NoKernelsRecorded as e:
             m.run.floor_errors[point] = str(e)
             print(f"{m.run.mode}/{m.run.setting} {point}: no floor: {e}", flush=True)
@@ -241,8 +243,8 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
     """Every point for every mode, then the floors and profiles of the points timed. The
     profiler comes after all timing: CUDA tracing left attached after a session makes the
     host's later CUDA calls slower, which would fall on every point timed after it; the
-    sessions keep it attached from one to the next (torch_compat.profile_session) and
-    it is released after the last. A mode that fails leaves the rotation with its error;
+    sessions keep it attached from one to the next and it is released after the last
+    (torch_compat.CudaTracing). A mode that fails leaves the rotation with its error;
     nothing new starts after ``deadline``. ``done()`` runs after each point's timing and
     after its floors and profiles."""
     timed = []
@@ -260,9 +262,7 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                 modes = _drop(modes, f)
         if done is not None:
             done()
-    # Asked before the sessions, which set what it reads (torch_compat.profile_session).
-    releasable = torch_compat.cuda_tracing_releasable()
-    sessions = False
+    tracing = torch_compat.CudaTracing()  # before the sessions, which set what it reads
     try:
         for isl, conc in timed:
             if time.perf_counter() > deadline:
@@ -271,16 +271,14 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
             profiled = False
             for m in list(modes):
                 try:
-                    profiled |= profile_mode(m, isl, conc, args, device, floors)
+                    profiled |= profile_mode(m, isl, conc, args, device, floors, tracing)
                 except ModeFailed as f:  # inside a profiler session: profile_mode runs steps only there
                     profiled = True
                     modes = _drop(modes, f)
-            sessions |= profiled
             if done is not None and profiled:
                 done()
     finally:
-        if sessions and releasable:
-            torch_compat.release_cuda_tracing()
+        tracing.release()
 
 
 def _drop(modes: list[TimedMode], failed: ModeFailed) -> list[TimedMode]:

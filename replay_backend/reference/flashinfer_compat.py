@@ -22,6 +22,8 @@ Two facts about that memory matter here:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # FlashInfer 0.6.13's names (prefill.py) of the pinned staging buffer and the int
@@ -84,47 +86,66 @@ class DirectCalls:
     calls of that plan pass the same arguments with the call's tensors (query, key and
     value caches, output, log-sum-exp) put where the two recordings had theirs. The two
     recordings must agree on everything else, each argument the same object or an equal
-    plain value, else the plan keeps ``run()``, reported through ``fallback(detail)``;
-    as is a wrapper without the module."""
+    plain value, else the plan keeps ``run()``, reported once through
+    ``fallback(detail)``; as is, once, a wrapper without the module. A later call whose
+    tensors differ in shape, dtype, device or aliasing from the recorded ones (the
+    values ``run()`` derives from them, and checks) goes through ``run()``. A wrapper
+    whose ``direct_calls`` is false (a checking wrapper, whose ``run()`` must see every
+    call) always keeps ``run()``."""
 
     def __init__(self, wrapper, fallback) -> None:
         self.wrapper, self.fallback = wrapper, fallback
+        self.enabled = getattr(wrapper, "direct_calls", True)
         self.planned()
 
     def planned(self) -> None:
-        """A new plan: what was learned is of the plan before."""
-        self.first = None  # the first call's (arguments, tensors)
-        self.learned = None  # (module, arguments with the call's tensors left out, their places)
+        """A new plan (called before it is made: a plan that fails leaves nothing learned)."""
+        self.first = None  # the plan's first recorded call: (arguments, shapes)
+        self.learned = None  # (module, arguments, places of the call's tensors, shapes); False: keeps run()
 
     def __call__(self, q, kv, out, lse) -> None:
         tensors = (q, kv[0], kv[1], out, lse)
-        if self.learned is not None:
-            module, args, places = self.learned
-            args = args.copy()
-            for i, role in places:
-                args[i] = tensors[role]
-            module.paged_run(*args)
+        learned = self.learned
+        if learned:
+            module, args, places, shapes = learned
+            if _shapes(tensors) == shapes:
+                args = args.copy()
+                for i, role in places:
+                    args[i] = tensors[role]
+                module.paged_run(*args)
+                return
+        if learned is not None or not self.enabled:
+            self._run(tensors)
             return
         module = getattr(self.wrapper, _MODULE, None)
         if not hasattr(module, "paged_run"):
+            self.enabled = False
             self.fallback(f"the wrapper ({type(self.wrapper).__name__}) keeps no kernel module with paged_run")
-            self.wrapper.run(q, kv, out=out, lse=lse, return_lse=True)
+            self._run(tensors)
             return
         recorder = _Recorder(module)
         setattr(self.wrapper, _MODULE, recorder)
         try:
-            self.wrapper.run(q, kv, out=out, lse=lse, return_lse=True)
+            self._run(tensors)
         finally:
             setattr(self.wrapper, _MODULE, module)
+        call = (_entries(recorder.args, tensors), _shapes(tensors))
         if self.first is None:
-            self.first = (recorder.args, tensors)
+            self.first = call
             return
-        learned = _template(*self.first, recorder.args, tensors)
+        (a, shapes), (b, _) = self.first, call
         self.first = None
-        if isinstance(learned, str):
-            self.fallback(learned)
+        why = _disagreement(a, b) or (None if call[1] == shapes else "the call's tensors differ in shape")
+        if why is not None:
+            self.learned = False
+            self.fallback(why)
             return
-        self.learned = (module, *learned)
+        places = [(i, e.tensor) for i, e in enumerate(a) if isinstance(e, _Role)]
+        self.learned = (module, [None if isinstance(e, _Role) else e for e in a], places, shapes)
+
+    def _run(self, tensors) -> None:
+        q, k, v, out, lse = tensors
+        self.wrapper.run(q, (k, v), out=out, lse=lse, return_lse=True)
 
 
 class _Recorder:
@@ -138,28 +159,41 @@ class _Recorder:
         return self.module.paged_run(*args)
 
 
+@dataclass(frozen=True)
+class _Role:
+    """A recorded argument that was one of the call's tensors (its index among them)."""
+
+    tensor: int
+
+
+def _entries(args, tensors) -> list | None:
+    """A recorded argument list with the call's tensors replaced by their roles (the
+    first, where the key and value caches are one tensor), so that it holds none of them."""
+    if args is None:
+        return None
+    roles: dict[int, int] = {}
+    for k, t in enumerate(tensors):
+        roles.setdefault(id(t), k)  # the call's tensors are alive: no other object has their ids
+    return [_Role(roles[id(a)]) if id(a) in roles else a for a in args]
+
+
+def _shapes(tensors) -> tuple:
+    return (*((t.shape, t.dtype, t.device) for t in tensors), tensors[1] is tensors[2])
+
+
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _template(a, ta, b, tb):
-    """Two recorded calls' arguments ``a``, ``b`` and their calls' tensors ``ta``, ``tb``:
-    ``(arguments with the call's tensors left out, [(place, which tensor)])``, or why
-    the two do not agree."""
+def _disagreement(a, b) -> str | None:
+    """Why two recorded calls of one plan (:func:`_entries`) do not agree, or None."""
     if a is None or b is None or len(a) != len(b):
         return "run() did not call paged_run once with as many arguments each time"
-    args, places = [], []
     for i, (x, y) in enumerate(zip(a, b)):
-        rx = next((k for k, t in enumerate(ta) if x is t), None)
-        ry = next((k for k, t in enumerate(tb) if y is t), None)
-        if rx is not None or ry is not None:
-            if rx != ry:
+        if isinstance(x, _Role) or isinstance(y, _Role):
+            if not (isinstance(x, _Role) and isinstance(y, _Role) and x.tensor == y.tensor):
                 return f"argument {i} is a different tensor of the call from one call to the next"
-            places.append((i, rx))
-            args.append(None)
-        elif x is y or (type(x) is type(y) and isinstance(x, _PLAIN) and x == y):
-            args.append(x)
-        else:
+        elif not (x is y or (type(x) is type(y) and isinstance(x, _PLAIN) and x == y)):
             return f"argument {i} ({type(x).__name__}) changes from one call to the next of one plan"
-    if not {0, 3, 4} <= {r for _, r in places}:
+    if not {0, 3, 4} <= {x.tensor for x in a if isinstance(x, _Role)}:
         return "paged_run's arguments do not hold the call's query, output and log-sum-exp"
-    return args, places
+    return None

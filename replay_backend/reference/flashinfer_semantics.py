@@ -11,7 +11,8 @@ request i's query rows are ``qo_indptr[i]:qo_indptr[i+1]`` and its keys the page
 ``j >= r + K - L - window_left``. The key tensor is the value tensor (one latent). The
 log-sum-exp is base 2; a row that sees no key gets output 0 and lse -inf (FlashInfer's
 own is a large negative number: either weighs nothing). As the real wrapper does,
-``run`` refuses a query whose row count is not the plan's, and a CUDA-graph wrapper
+``run`` refuses a query whose row count is not the plan's (here its kernel module, which
+the run ends in, as FlashInfer's does), and a CUDA-graph wrapper
 refuses a plan whose request count differs from its buffers', or whose page table is
 longer than its page-index buffer. A causal request with keys but fewer keys than rows
 is refused at ``plan``: FlashInfer's kernels mask such a request wrongly (they compute
@@ -105,19 +106,22 @@ class EmulatedPrefillWrapper:
         return len(items), launched
 
     def run(self, q, kv, *, out, lse, return_lse) -> None:
-        assert kv[0] is kv[1] and return_lse
-        if q.shape[0] != self.qo[-1]:
-            raise ValueError(f"q has {q.shape[0]} rows, the plan {self.qo[-1]}")
+        assert return_lse
         self._cached_module.paged_run(self._int_workspace_buffer, self.work, self.qo, self.kv, self.indices, q,
                                       kv[0], kv[1], out, lse, self.window_left, self.scale)
 
 
 class _Kernels:
-    """The emulated kernel module: as FlashInfer's wrapper does, ``run`` checks its call
-    and ends in ``paged_run``, which reads the plan from its arguments alone."""
+    """The emulated kernel module: as FlashInfer's wrapper does, ``run`` ends in
+    ``paged_run``, which reads the plan from its arguments alone. It refuses a call the
+    real wrapper would refuse (``run``'s checks) or the GPU would fault on, whichever
+    path the call took to it."""
 
     @staticmethod
     def paged_run(int_workspace, work, qo, kv_indptr, indices, q, k, v, out, lse, window_left, scale) -> None:
+        assert k is v, "the key cache is the value cache (one latent)"
+        if q.shape[0] != qo[-1]:
+            raise ValueError(f"q has {q.shape[0]} rows, the plan {qo[-1]}")
         k = k.reshape(k.shape[0], -1)
         if work is not None:
             listed, launched = work

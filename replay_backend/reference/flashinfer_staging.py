@@ -84,8 +84,8 @@ class Wrapper:
     def plan(self, turn: int, **kw) -> None:
         if self.staging:
             flashinfer_compat.stage_plans_in(self.inner, self.staging[turn])
-        self.inner.plan(disable_split_kv=not self.split, **kw)
         self.calls.planned()
+        self.inner.plan(disable_split_kv=not self.split, **kw)
 
     def run(self, q, kv, out, lse) -> None:
         self.calls(q, kv, out, lse)
