@@ -150,15 +150,11 @@ class CudaTracing:
         """``torch.profiler.profile(activities=...)``, its tracing left attached."""
         from torch.profiler import profile
 
-        prof = profile(activities=activities)
-        prof.__enter__()
-        try:
+        with profile(activities=activities) as prof:
             if self.cuda:
                 os.environ["TEARDOWN_CUPTI"] = "0"
                 self.attached = True
             yield prof
-        finally:
-            prof.__exit__(None, None, None)
 
     def release(self) -> None:
         """Tear down the tracing the sessions left attached, where it may be. One short

@@ -312,18 +312,32 @@ def test_a_plans_later_calls_go_straight_to_the_kernels(models):
     assert all(runs == min(kernel, 2) for runs, kernel in plans), plans
 
 
+def _one_request_planned(fim, factory, strict: bool = False):
+    """Attention of ``factory``'s wrappers with a one-request batch of 40 rows planned,
+    the batch, and a call of its SWA part (new random query and cache each time)."""
+    att = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 4097, MAX_MODEL_LEN,
+                                 "cpu", torch.float32, factory=factory, strict=strict)
+    batch = _runner(fim).build_batch([RequestChunk("a", 40, 40)])
+    att.prepare(batch.view, None)
+    heads, d = fim.cfg.num_heads, fim.cfg.head_dim
+
+    def attend() -> None:
+        q = torch.randn(40, heads, d)
+        fi.attend(q, torch.empty_like(q), torch.randn(att.num_slots, d), None, 1, batch.view, False,
+                  torch.zeros(heads))
+
+    return att, batch, attend
+
+
 def test_a_learned_call_with_other_tensors_goes_through_run(models):
     """A call whose tensors differ in shape from the ones its plan's calls were learned
     from goes through run(), whose checks see it: here a query of the wrong row count."""
     _, fim = models
-    att = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 4097, MAX_MODEL_LEN,
-                                 "cpu", torch.float32, factory=CountingWrapper)
-    batch = _runner(fim).build_batch([RequestChunk("a", 40, 40)])
-    att.prepare(batch.view, None)
-    heads, d = fim.cfg.num_heads, fim.cfg.head_dim
-    q, cache, sink = torch.randn(40, heads, d), torch.randn(att.num_slots, d), torch.zeros(heads)
+    att, batch, attend = _one_request_planned(fim, CountingWrapper)
     for _ in range(3):
-        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, sink)
+        attend()
+    heads, d = fim.cfg.num_heads, fim.cfg.head_dim
+    q, cache = torch.randn(40, heads, d), torch.randn(att.num_slots, d)
     wrapper = att._wrappers[("main", ("swa", False))]
     assert wrapper.inner.counts[-1] == [2, 3]
     planned = batch.view.derived[fi.PLAN][("swa", False)]
@@ -346,15 +360,10 @@ def test_a_plan_whose_calls_differ_beyond_their_tensors_keeps_run(models):
     plans = [c for w in made for c in w.counts]
     assert all(runs == kernel for runs, kernel in plans) and any(kernel > 2 for _, kernel in plans)
     assert counters.fallbacks["flashinfer_direct_call"] - before == sum(kernel >= 2 for _, kernel in plans)
-    strict = fi.FlashInferAttention(fim.cfg, MAX_NUM_SEQS * MAX_MODEL_LEN + 1, MAX_NUM_SEQS, 4097, MAX_MODEL_LEN,
-                                    "cpu", torch.float32, factory=FreshArgumentWrapper, strict=True)
-    batch = _runner(fim).build_batch([RequestChunk("a", 40, 40)])
-    strict.prepare(batch.view, None)
-    q = torch.randn(40, fim.cfg.num_heads, fim.cfg.head_dim)
-    cache = torch.randn(strict.num_slots, fim.cfg.head_dim)
-    fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(fim.cfg.num_heads))
+    _, _, attend = _one_request_planned(fim, FreshArgumentWrapper, strict=True)
+    attend()
     with pytest.raises(StrictFallbackError, match="flashinfer_direct_call"):
-        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(fim.cfg.num_heads))
+        attend()
 
 
 def test_flashinfer_needs_its_package_cuda_and_a_16_bit_model(models):
