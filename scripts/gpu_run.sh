@@ -9,12 +9,16 @@
 #   tests:SECONDS               python3 -m pytest tests/test_gpu.py
 #   soak:SECONDS:ARGS           python3 scripts/soak.py ARGS (give it --max-seconds below SECONDS)
 #   bench:SECONDS:ARGS          replay-backend bench ARGS (give it --max-seconds below SECONDS)
+#   bench@DIR:SECONDS:ARGS      the same bench of the source tree in DIR (scripts/ab_tree.sh makes
+#                               one of a commit) instead of this checkout: an A/B on one machine
 #   check:SECONDS:ARGS          python3 scripts/flashinfer_check.py ARGS (after wheels)
 # ARGS are space-separated; e.g.
 #   bash scripts/gpu_run.sh $OUT tests:300 \
 #       "soak:560:--preset mini-2k --dtype bfloat16 --steps 500 --seed 2 --max-seconds 420"
 set -uo pipefail
 out="${1:?usage: gpu_run.sh OUTDIR STEP...}"; shift
+out="$(cd "$out" && pwd)"  # steps of another tree run from another folder
+repo="$PWD"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -24,6 +28,8 @@ n=0
 for step in "$@"; do
     n=$((n + 1))
     IFS=: read -r kind limit args <<< "$step"
+    tree=
+    case "$kind" in bench@*) tree="${kind#bench@}"; kind=bench ;; esac
     # shellcheck disable=SC2206  # ARGS are meant to split on spaces
     argv=($args)
     if [ "$kind" = wheels ]; then
@@ -36,12 +42,18 @@ for step in "$@"; do
     case "$kind" in
         tests) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider tests/test_gpu.py "${argv[@]}") ;;
         soak) cmd=(python3 scripts/soak.py --json "$out/soak$n.json" "${argv[@]}") ;;
-        bench) cmd=(replay-backend bench --json "$out/bench$n.json" --out "$out/bench$n.md" "${argv[@]}") ;;
+        bench) cmd=(replay-backend bench --json "$out/bench$n.json" --out "$out/bench$n.md" "${argv[@]}")
+               if [ -n "$tree" ]; then
+                   [ -d "$repo/$tree/replay_backend" ] || { echo "gpu_run.sh: no package tree in $tree" >&2; exit 2; }
+                   # From outside the checkout, whose own package would shadow the tree's.
+                   cmd=(env -C /tmp PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}"
+                        python3 -m replay_backend.reference.cli "${cmd[@]:1}")
+               fi ;;
         check) cmd=(python3 scripts/flashinfer_check.py "${argv[@]}") ;;
         *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, soak, bench, check)" >&2; exit 2 ;;
     esac
     log="$out/$kind$n.log"
-    echo "== $kind (limit ${limit}s): ${cmd[*]}"
+    echo "== $kind${tree:+ of $tree ($(cat "$repo/$tree/COMMIT" 2>/dev/null))} (limit ${limit}s): ${cmd[*]}"
     timeout "$limit" "${cmd[@]}" 2>&1 | tr '\r' '\n' | grep --line-buffered -v -e 'graphs: ' -e '^ *$' > "$log"
     rc=${PIPESTATUS[0]}
     tail -25 "$log"
