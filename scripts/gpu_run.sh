@@ -9,16 +9,24 @@
 #   tests:SECONDS               python3 -m pytest tests/test_gpu.py
 #   soak:SECONDS:ARGS           python3 scripts/soak.py ARGS (give it --max-seconds below SECONDS)
 #   bench:SECONDS:ARGS          replay-backend bench ARGS (give it --max-seconds below SECONDS)
-#   bench@DIR:SECONDS:ARGS      the same bench of the source tree in DIR (scripts/ab_tree.sh makes
-#                               one of a commit) instead of this checkout: an A/B on one machine
+#   bench@DIR:SECONDS:ARGS      the same bench of the package tree in DIR (relative to the
+#                               repository root, no ':' in it; scripts/ab_tree.sh makes one of a
+#                               commit) instead of this checkout: an A/B on one machine
 #   check:SECONDS:ARGS          python3 scripts/flashinfer_check.py ARGS (after wheels)
 # ARGS are space-separated; e.g.
 #   bash scripts/gpu_run.sh $OUT tests:300 \
 #       "soak:560:--preset mini-2k --dtype bfloat16 --steps 500 --seed 2 --max-seconds 420"
 set -uo pipefail
 out="${1:?usage: gpu_run.sh OUTDIR STEP...}"; shift
-out="$(cd "$out" && pwd)"  # steps of another tree run from another folder
+mkdir -p "$out" && out="$(cd "$out" && pwd)" || { echo "gpu_run.sh: cannot use OUTDIR '$out'" >&2; exit 2; }
 repo="$PWD"
+for step in "$@"; do  # a missing tree stops the run before any step, not half-way
+    kind="${step%%:*}"
+    case "$kind" in bench@*)
+        [ -d "$repo/${kind#bench@}/replay_backend" ] \
+            || { echo "gpu_run.sh: no package tree in ${kind#bench@} (scripts/ab_tree.sh makes one)" >&2; exit 2; } ;;
+    esac
+done
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -44,16 +52,18 @@ for step in "$@"; do
         soak) cmd=(python3 scripts/soak.py --json "$out/soak$n.json" "${argv[@]}") ;;
         bench) cmd=(replay-backend bench --json "$out/bench$n.json" --out "$out/bench$n.md" "${argv[@]}")
                if [ -n "$tree" ]; then
-                   [ -d "$repo/$tree/replay_backend" ] || { echo "gpu_run.sh: no package tree in $tree" >&2; exit 2; }
-                   # From outside the checkout, whose own package would shadow the tree's.
-                   cmd=(env -C /tmp PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}"
-                        python3 -m replay_backend.reference.cli "${cmd[@]:1}")
+                   # The entry point does not put the working folder on sys.path, and
+                   # PYTHONPATH comes before the editable install of this checkout.
+                   cmd=(env PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}")
+                   echo "== package of $tree ($(cat "$repo/$tree/COMMIT" 2>/dev/null)): $(cd / && \
+                       PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+                       'import replay_backend; print(replay_backend.__file__)')"
                fi ;;
         check) cmd=(python3 scripts/flashinfer_check.py "${argv[@]}") ;;
-        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, soak, bench, check)" >&2; exit 2 ;;
+        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, soak, bench, bench@DIR, check)" >&2; exit 2 ;;
     esac
     log="$out/$kind$n.log"
-    echo "== $kind${tree:+ of $tree ($(cat "$repo/$tree/COMMIT" 2>/dev/null))} (limit ${limit}s): ${cmd[*]}"
+    echo "== $kind${tree:+ of $tree} (limit ${limit}s): ${cmd[*]}"
     timeout "$limit" "${cmd[@]}" 2>&1 | tr '\r' '\n' | grep --line-buffered -v -e 'graphs: ' -e '^ *$' > "$log"
     rc=${PIPESTATUS[0]}
     tail -25 "$log"

@@ -1,14 +1,16 @@
 """Where a graphed prefill step's host time goes, by Python function, per attention
 implementation.
 
-One implementation at a time (its runner built, measured, then freed): mini-2k's
-``replay`` runner, captured at the bench's wide sizes up to --max-tokens, and for each
---conc the medians of step_phases.py's timed variants of a step of --isl x conc prompt
-tokens (``full``, ``prebuilt``, ``preplanned``, ``build``, ``plan``, ``to_launch``,
-``ret``; see there), then Python's cProfile of --profile-steps whole steps, written to
-``DIR/cprof_<impl>_<conc>.txt`` sorted by own time and by cumulative time. cProfile
-slows every Python call, so read its figures as shares, and the medians (taken before
-it) as times. No floors: step_phases.py takes them. On a CPU it runs as a dry run.
+One implementation at a time (its runner built and captured, measured, then let go):
+a ``replay`` runner of --preset at the bench's wide capture sizes up to --max-tokens,
+and for each --conc the medians of step_phases.py's timed variants of one step of
+--isl x conc prompt tokens (``full``, ``prebuilt``, ``preplanned``, ``build``, ``plan``,
+``to_launch``, ``ret``, ``ret_pp``; see there), then Python's cProfile of
+--profile-steps steps' host work (the runner's ``prefill``, the synchronisation after
+it left out), written to ``DIR/cprof_<impl>_<conc>.txt`` sorted by own time and by
+cumulative time. cProfile slows every Python call, so read its figures as shares, and
+the medians (taken before it) as times. No floors: step_phases.py takes them. On a CPU
+it runs as a dry run.
 
     python3 scripts/host_profile.py --attention flashinfer,triton --isl 1024 --conc 1,8 --out DIR
 """
@@ -27,29 +29,31 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_phases import Phases, _runner, _sync  # noqa: E402
+from step_phases import WARMUP, Phases, add_samples, build_runner, sync  # noqa: E402
 
 from replay_backend.bench.timing import host_probe  # noqa: E402
 
-WARMUP = 3
 
-
-def _medians(ph: Phases, conc: int, runs: int) -> dict:
+def _medians(ph: Phases, runs: int) -> dict:
     samples: dict = {}
     for k in range(runs + WARMUP):
-        for key, s in ph.all(f"{conc}-{k}").items():
-            if k >= WARMUP:
-                samples.setdefault(key, []).append(s * 1e3)
+        got = ph.all(f"{ph.conc}-{k}")
+        if k >= WARMUP:
+            add_samples(samples, got)
     return {key: round(statistics.median(v), 3) for key, v in samples.items()}
 
 
-def _cprofile(ph: Phases, conc: int, steps: int) -> str:
-    prof = cProfile.Profile()
+def _cprofile(ph: Phases, steps: int) -> str:
+    prof, runner = cProfile.Profile(), ph.runner
     for k in range(steps):
-        _sync()
+        ids = [f"cp{ph.conc}-{k}-{j}" for j in range(ph.conc)]
+        sync()
         prof.enable()
-        ph.full(f"cp{conc}-{k}")
+        runner.prefill({rid: ph.isl for rid in ids})
         prof.disable()
+        sync()
+        for rid in ids:
+            runner.free(rid)
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(45)
@@ -69,21 +73,23 @@ def main() -> int:
     p.add_argument("--out", required=True, help="folder for the cProfile listings")
     args = p.parse_args()
     if args.isl * max(args.conc) > args.max_tokens:
-        raise ValueError(f"--isl {args.isl} x --conc {max(args.conc)} is over --max-tokens {args.max_tokens}: "
-                         "the step would be chunked")
+        p.error(f"--isl {args.isl} x --conc {max(args.conc)} is over --max-tokens {args.max_tokens}: "
+                "the step would be chunked")
     os.makedirs(args.out, exist_ok=True)
     print(f"host at the start: {host_probe()}", flush=True)
     for impl in args.attention:
         t0 = time.perf_counter()
-        runner = _runner(impl, argparse.Namespace(preset=args.preset, max_tokens=args.max_tokens,
-                                                  isl=args.isl, conc=max(args.conc)))
+        ph = Phases(build_runner(impl, argparse.Namespace(preset=args.preset, max_tokens=args.max_tokens,
+                                                          isl=args.isl, conc=max(args.conc))),
+                    args.isl, args.conc[0])
         print(f"{impl}: runner built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
         for conc in args.conc:
-            ph = Phases(runner, args.isl, conc)
-            print(f"{impl} {args.isl}/{conc}: {_medians(ph, conc, args.runs)}", flush=True)
+            ph.conc = conc
+            print(f"{impl} {args.isl}/{conc}: {_medians(ph, args.runs)}", flush=True)
             with open(os.path.join(args.out, f"cprof_{impl}_{conc}.txt"), "w") as f:
-                f.write(_cprofile(ph, conc, args.profile_steps))
-        del runner, ph
+                f.write(_cprofile(ph, args.profile_steps))
+        del ph
+        torch._dynamo.reset()  # Dynamo's caches hold the compiled model, and so its graphs
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -36,12 +36,23 @@ from replay_backend.reference import build_model, preset
 from replay_backend.reference.runner import StepRunner
 
 
-def _sync() -> None:
+WARMUP = 3  # rounds before the timed ones
+
+
+def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def _runner(impl: str, args) -> StepRunner:
+def add_samples(samples: dict, got: dict) -> None:
+    """One round's timings (seconds) added to ``samples`` (ms per key)."""
+    for key, s in got.items():
+        samples.setdefault(key, []).append(s * 1e3)
+
+
+def build_runner(impl: str, args) -> StepRunner:
+    """A captured ``replay`` runner of ``args.preset`` with attention ``impl``, for steps of
+    up to ``args.conc`` requests of ``args.isl`` tokens."""
     torch._dynamo.reset()  # each implementation traces its own model
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()  # on a CPU: a dry run of the script, eager pieces
@@ -80,11 +91,11 @@ class Phases:
             self.runner.free(rid)
 
     def full(self, tag: str) -> dict:
-        _sync()
+        sync()
         self.launch = None
         t0 = time.perf_counter()
         self.runner.prefill({rid: self.isl for rid in self._ids(tag)})
-        _sync()
+        sync()
         t1 = time.perf_counter()
         self._free(tag)
         return {"full": t1 - t0, "to_launch": self.launch - t0}
@@ -94,18 +105,18 @@ class Phases:
         batch = r.build_batch([RequestChunk(rid, self.isl, self.isl) for rid in self._ids(tag)])
         if planned and r.attention is not None:
             r.attention.prepare(batch.view, None)
-        _sync()
+        sync()
         t0 = time.perf_counter()
         r.run(batch)
         t1 = time.perf_counter()
-        _sync()
+        sync()
         t2 = time.perf_counter()
         self._free(tag)
         return {"preplanned": t2 - t0, "ret_pp": t1 - t0} if planned else {"prebuilt": t2 - t0, "ret": t1 - t0}
 
     def host(self, tag: str) -> dict:
         r = self.runner
-        _sync()
+        sync()
         t0 = time.perf_counter()
         batch = r.build_batch([RequestChunk(rid, self.isl, self.isl) for rid in self._ids(tag)])
         t1 = time.perf_counter()
@@ -113,7 +124,7 @@ class Phases:
         if r.attention is not None:
             r.attention.prepare(batch.view, None)
             out["plan"] = time.perf_counter() - t1
-        _sync()
+        sync()
         self._free(tag)
         return out
 
@@ -132,14 +143,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--json", help="write every sample (ms) here")
     args = p.parse_args()
-    phases = {impl: Phases(_runner(impl, args), args.isl, args.conc) for impl in args.attention}
+    phases = {impl: Phases(build_runner(impl, args), args.isl, args.conc) for impl in args.attention}
     samples: dict = {impl: {} for impl in phases}
-    for k in range(args.runs + 3):  # three warm-up rounds
-        for impl, ph in phases.items():
+    for k in range(args.runs + WARMUP):
+        for impl, ph in phases.items():  # in turns: a slow phase of the host falls on each alike
             got = ph.all(str(k))
-            if k >= 3:
-                for key, s in got.items():
-                    samples[impl].setdefault(key, []).append(s * 1e3)
+            if k >= WARMUP:
+                add_samples(samples[impl], got)
     print(f"host at the end: {host_probe()}")
     point = f"{args.isl}/{args.conc}"
     for impl, ph in phases.items():
