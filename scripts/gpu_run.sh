@@ -13,15 +13,19 @@
 #                               repository root, no ':' in it; scripts/ab_tree.sh makes one of a
 #                               commit) instead of this checkout: an A/B on one machine
 #   check:SECONDS:ARGS          python3 scripts/flashinfer_check.py ARGS (after wheels)
-# ARGS are space-separated; e.g.
+# ARGS split into words as a shell splits them (quotes group words); e.g.
 #   bash scripts/gpu_run.sh $OUT tests:300 \
 #       "soak:560:--preset mini-2k --dtype bfloat16 --steps 500 --seed 2 --max-seconds 420"
 set -uo pipefail
 out="${1:?usage: gpu_run.sh OUTDIR STEP...}"; shift
 mkdir -p "$out" && out="$(cd "$out" && pwd)" || { echo "gpu_run.sh: cannot use OUTDIR '$out'" >&2; exit 2; }
 repo="$PWD"
-for step in "$@"; do  # a missing tree stops the run before any step, not half-way
-    kind="${step%%:*}"
+split_args() {  # ARGS as a shell would split them, NUL-separated, without expanding anything
+    python3 -c 'import shlex, sys; sys.stdout.write("\0".join(shlex.split(sys.argv[1])))' "$1"
+}
+for step in "$@"; do  # a bad step stops the run before any step, not half-way
+    IFS=: read -r kind limit args <<< "$step"
+    split_args "$args" > /dev/null 2>&1 || { echo "gpu_run.sh: cannot split the arguments of step '$step'" >&2; exit 2; }
     case "$kind" in bench@*)
         [ -d "$repo/${kind#bench@}/replay_backend" ] \
             || { echo "gpu_run.sh: no package tree in ${kind#bench@} (scripts/ab_tree.sh makes one)" >&2; exit 2; } ;;
@@ -38,8 +42,7 @@ for step in "$@"; do
     IFS=: read -r kind limit args <<< "$step"
     tree=
     case "$kind" in bench@*) tree="${kind#bench@}"; kind=bench ;; esac
-    # shellcheck disable=SC2206  # ARGS are meant to split on spaces
-    argv=($args)
+    mapfile -d '' -t argv < <(split_args "$args")  # -k "a and not b": two words
     if [ "$kind" = wheels ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl > "$out/wheels.log" 2>&1 || { cat "$out/wheels.log"; exit 1; }
