@@ -177,7 +177,7 @@ def _run_graph_plans(att, view, size: int, cache: torch.Tensor) -> None:
     att.prepare(view, size)
     q = torch.randn(size, att.cfg.num_heads, att.cfg.head_dim)
     for planned in view.derived[fi.PLAN].values():
-        fi._run(planned, q, cache)
+        fi._run(planned, q, cache, torch.empty_like(q), torch.empty(q.shape[:2]))
 
 
 def test_graph_plans_that_do_not_split_read_a_cleared_work_list(models):

@@ -67,11 +67,13 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
 @dataclass(frozen=True)
 class Planned:
     """One part planned: the wrapper to run, the rows it covers (the view's, or a
-    graph's size) and their permutation on the device (None: view order)."""
+    graph's size), and on the device their permutation and its inverse (None: view
+    order; flashinfer_batches.PartLayout)."""
 
     wrapper: Wrapper
     rows: int
     perm: torch.Tensor | None
+    unperm: torch.Tensor | None
 
 
 def _programs(device: torch.device) -> int:
@@ -190,7 +192,8 @@ class FlashInferAttention:
         small = [x for lay in layouts.values() for x in lay.small]
         host = staging.hold(turn, torch.cat([torch.tensor(small, dtype=torch.int32),
                                              *(lay.kv_indices for lay in layouts.values()),
-                                             *(lay.perm for lay in layouts.values() if lay.perm is not None)]))
+                                             *(t for lay in layouts.values() if lay.perm is not None
+                                               for t in (lay.perm, lay.unperm))]))
         try:
             return self._plan_parts(slot, layouts, size, turn, host, len(small))
         finally:
@@ -199,7 +202,7 @@ class FlashInferAttention:
     def _plan_parts(self, slot, layouts: dict, size: int | None, turn: int, host: torch.Tensor,
                     tables: int) -> dict:
         # ``host``: every part's small arrays (``tables`` entries), then their page tables,
-        # then their permutations.
+        # then their permutations, each followed by its inverse.
         dev = host.to(self.device, non_blocking=True)
         planned, at = {}, 0
         perm_at = tables + sum(lay.kv_indices.numel() for lay in layouts.values())
@@ -219,11 +222,12 @@ class FlashInferAttention:
                          # known here; FlashInfer would find it by a Python loop over the requests
                          max_token_per_sequence=lay.longest)
             tables += k
-            perm = None
+            perm = unperm = None
             if lay.perm is not None:
-                perm = dev[perm_at:perm_at + lay.perm.numel()].long()
-                perm_at += lay.perm.numel()
-            planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm)
+                n = lay.perm.numel()
+                perm, unperm = dev[perm_at:perm_at + n], dev[perm_at + n:perm_at + 2 * n]
+                perm_at += 2 * n
+            planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm, unperm)
         return planned
 
     def _wrapper(self, slot, part, size: int | None, batch: int, pages: int) -> Wrapper:
@@ -277,21 +281,22 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
                            "ForwardContext must carry prepare_view=FlashInferAttention.prepare")
     first = plans[("swa", floored)]
     qn = q[:first.rows]
-    o_swa, lse_swa = _run(first, qn, swa)
-    o_glob = lse_glob = None
-    if glob is not None:
-        o_glob, lse_glob = _run(plans[("global", ratio)], qn, glob)
-    merge(out[:first.rows], o_swa, lse_swa, o_glob, lse_glob, sink)
+    # Both states in one allocation each: the host's time per layer is the step's
+    # critical path where the rows are few.
+    states = 1 if glob is None else 2
+    o = torch.empty((states, *qn.shape), dtype=q.dtype, device=q.device)
+    lse = torch.empty((states, *qn.shape[:2]), dtype=torch.float32, device=q.device)
+    _run(first, qn, swa, o[0], lse[0])
+    if glob is None:
+        merge(out[:first.rows], o[0], lse[0], None, None, sink)
+        return
+    second = plans[("global", ratio)]
+    _run(second, qn, glob, o[1], lse[1])
+    merge(out[:first.rows], o[0], lse[0], o[1], lse[1], sink, second.unperm)
 
 
-def _run(planned: Planned, q: torch.Tensor, cache: torch.Tensor):
-    """One part's state: output [rows, heads, D] and base-2 log-sum-exp [rows, heads]."""
+def _run(planned: Planned, q: torch.Tensor, cache: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """One part's state into ``o`` [rows, heads, D] and ``lse`` [rows, heads] (base-2
+    log-sum-exp), its rows in the part's order (``planned.perm``)."""
     kv = cache.view(cache.shape[0], 1, 1, cache.shape[1])  # page size 1, one KV head, NHD
-    perm = planned.perm
-    qp = q if perm is None else q.index_select(0, perm)
-    o = torch.empty_like(qp)
-    lse = torch.empty(qp.shape[:2], dtype=torch.float32, device=q.device)
-    planned.wrapper.run(qp, (kv, kv), o, lse)
-    if perm is None:
-        return o, lse
-    return torch.empty_like(o).index_copy_(0, perm, o), torch.empty_like(lse).index_copy_(0, perm, lse)
+    planned.wrapper.run(q if planned.perm is None else q.index_select(0, planned.perm), (kv, kv), o, lse)

@@ -19,15 +19,19 @@ LN2 = math.log(2.0)
 
 
 def merge(out: torch.Tensor, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor | None,
-          lse_b: torch.Tensor | None, sink: torch.Tensor) -> None:
+          lse_b: torch.Tensor | None, sink: torch.Tensor, b_rows: torch.Tensor | None = None) -> None:
     """``out`` = the softmax over both states' keys and the sink: each state weighted by
     its mass ``exp(lse)`` (base-2 ``lse``, FlashInfer's), the sink adding ``exp(sink)`` to
-    the denominator only. A state without keys (lse -inf) weighs nothing."""
+    the denominator only. A state without keys (lse -inf) weighs nothing. ``b_rows``
+    (int32 or int64, one per row of ``out``) is where row ``i``'s second state lies in
+    ``o_b`` and ``lse_b``, for a state computed with its rows permuted (None: row ``i``)."""
     if out.shape[0] == 0:
         return
     if triton_available() and out.is_cuda:
-        _merge_triton(out, o_a, lse_a, o_b, lse_b, sink)
+        _merge_triton(out, o_a, lse_a, o_b, lse_b, sink, b_rows)
         return
+    if o_b is not None and b_rows is not None:
+        o_b, lse_b = o_b.index_select(0, b_rows), lse_b.index_select(0, b_rows)
     # A state without keys has lse -inf (a NaN where its kernel divided 0 by 0): no weight.
     a = torch.nan_to_num(lse_a * LN2, nan=-math.inf)
     s = sink.float()[None, :]
@@ -48,8 +52,8 @@ def merge(out: torch.Tensor, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.
 
 if triton is not None:
     @triton.jit(do_not_specialize=["heads"])
-    def _merge_kernel(Out, OA, LA, OB, LB, Sink, heads, STRIDE_OT: tl.constexpr, STRIDE_OH: tl.constexpr,
-                      HAS_B: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _merge_kernel(Out, OA, LA, OB, LB, BRows, Sink, heads, STRIDE_OT: tl.constexpr, STRIDE_OH: tl.constexpr,
+                      HAS_B: tl.constexpr, B_ROWS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
         """One row: its heads' states and sink merged (see :func:`merge`)."""
         row = tl.program_id(0)
         offs_h = tl.arange(0, BLOCK_H)
@@ -62,7 +66,11 @@ if triton is not None:
         a = tl.where(a == a, a, float("-inf"))
         m = tl.maximum(a, s)
         if HAS_B:
-            b = tl.load(LB + state, mask=hmask, other=float("-inf")) * 0.6931471805599453
+            if B_ROWS:
+                state_b = tl.load(BRows + row).to(tl.int32) * heads + offs_h
+            else:
+                state_b = state
+            b = tl.load(LB + state_b, mask=hmask, other=float("-inf")) * 0.6931471805599453
             b = tl.where(b == b, b, float("-inf"))
             m = tl.maximum(m, b)
         wa = tl.exp(a - m)
@@ -72,7 +80,7 @@ if triton is not None:
         if HAS_B:
             wb = tl.exp(b - m)
             den += wb
-            ob = tl.load(OB + tile, mask=hmask[:, None], other=0.0).to(tl.float32)
+            ob = tl.load(OB + state_b[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
             acc += tl.where(wb[:, None] > 0, ob * wb[:, None], 0.0)
         dst = Out + row * STRIDE_OT + offs_h[:, None] * STRIDE_OH + offs_d[None, :]
         tl.store(dst, (acc / den[:, None]).to(Out.dtype.element_ty), mask=hmask[:, None])
@@ -80,13 +88,16 @@ if triton is not None:
     _MERGE = KeptKernel(_merge_kernel)
 
 
-def _merge_triton(out, o_a, lse_a, o_b, lse_b, sink) -> None:
+def _merge_triton(out, o_a, lse_a, o_b, lse_b, sink, b_rows=None) -> None:
     rows, heads, d = out.shape
     if out.stride(2) != 1:
         raise ValueError("attention output must be contiguous in the head dim")
     has_b = o_b is not None
-    ptrs = (out, o_a, lse_a, o_b if has_b else o_a, lse_b if has_b else lse_a, sink)
-    consts = {"STRIDE_OT": out.stride(0), "STRIDE_OH": out.stride(1), "HAS_B": has_b, "D": d,
+    by_rows = has_b and b_rows is not None
+    if by_rows and b_rows.shape != (rows,):
+        raise ValueError(f"b_rows must hold one index per output row ({rows}), got shape {tuple(b_rows.shape)}")
+    ptrs = (out, o_a, lse_a, o_b if has_b else o_a, lse_b if has_b else lse_a, b_rows if by_rows else sink, sink)
+    consts = {"STRIDE_OT": out.stride(0), "STRIDE_OH": out.stride(1), "HAS_B": has_b, "B_ROWS": by_rows, "D": d,
               "BLOCK_H": triton.next_power_of_2(heads)}
     key = (out.device.index, *[x.dtype for x in ptrs], *aligned(*ptrs), *consts.values())
     _MERGE(key, (rows, 1, 1), out.device, (*ptrs, heads), consts)

@@ -10,7 +10,8 @@ table's entries being cache slots (a request's block is ``base + position``):
 * Global, ratio r > 1: row p reads entries ``m < (p + 1) // r``, a slope FlashInfer's
   causal mask cannot express. Rows of one residue class of p mod r read exactly one
   more entry per row, so each class is its own causal request; the rows are permuted
-  into class order for the kernel and back after it.
+  into class order for the kernel, and the merge reads each row's state where the
+  inverse permutation says.
 
 Host-side and pure: attention_flashinfer.py plans these batches and runs them.
 """
@@ -93,7 +94,8 @@ class PartLayout:
     length (page size 1: 1, or 0 for no keys) back to back, for ``batch`` requests;
     ``longest`` is the most rows of one request; ``kv_indices`` is the page table of
     cache slots; ``perm`` the rows in sub-request order for a ratio-r global part
-    (None: rows in view order)."""
+    (None: rows in view order), and ``unperm`` its inverse: where each row of the view
+    lies in that order."""
 
     batch: int
     rows: int
@@ -101,6 +103,7 @@ class PartLayout:
     small: list[int]
     kv_indices: torch.Tensor
     perm: torch.Tensor | None
+    unperm: torch.Tensor | None
 
 
 def layout_of(reqs: list[tuple[int, int, int]], perm: torch.Tensor | None = None) -> PartLayout:
@@ -112,4 +115,8 @@ def layout_of(reqs: list[tuple[int, int, int]], perm: torch.Tensor | None = None
     lens = [k for _, _, k in reqs]
     pieces = [torch.arange(s, s + k, dtype=torch.int32) for _, s, k in reqs if k]
     idx = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
-    return PartLayout(len(reqs), qo[-1], longest, qo + kv + lens + [int(k > 0) for k in lens], idx, perm)
+    unperm = None
+    if perm is not None:
+        unperm = torch.empty_like(perm)
+        unperm[perm.long()] = torch.arange(perm.numel(), dtype=perm.dtype)
+    return PartLayout(len(reqs), qo[-1], longest, qo + kv + lens + [int(k > 0) for k in lens], idx, perm, unperm)
