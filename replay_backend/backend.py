@@ -60,6 +60,13 @@ class ReplayBackend:
         return self.compiled[-1]
 
     @property
+    def replays_in_region(self) -> bool:
+        """Whether the replay layers run only in a replay region, so that every step's
+        trim op points attention at the view they read (``ForwardContext.activate``):
+        one graph compiled, and it has a region. False before the first compile."""
+        return len(self.compiled) == 1 and self.compiled[0].replay is not None
+
+    @property
     def phase(self) -> Phase:
         return self.lifecycle.phase
 

@@ -152,6 +152,64 @@ def test_compiled_model_plans_each_view_before_it_is_read(models):
             assert set(w.inner.plan_rows) == {slot}, (slot, w.inner.plan_rows)
 
 
+def _plans_of(att, key) -> int:
+    w = att._wrappers.get(key)
+    return 0 if w is None else w.inner.plans
+
+
+def test_a_trimming_step_plans_the_whole_batch_for_the_main_layers_only(models):
+    """Only the replay layers read the whole batch's floored SWA keys, and a step that
+    trims runs them on the replay view: its metadata build plans the whole batch for
+    the main layers, and the replay region plans that part itself where it runs on the
+    whole batch without a graph. A model without a region, whose replay layers read
+    the whole batch with no region to plan it, gets every part up front."""
+    ref, fim = models
+    floored = ("main", ("swa", True))
+    oracle = _runner(ref)
+    for decoder_replay in (True, False):
+        backend = ReplayBackend(compiler="eager", max_num_seqs=MAX_NUM_SEQS, max_cudagraph_capture_size=64,
+                                decoder_replay_trim_threshold=48, decoder_replay=decoder_replay, strict=True)
+        runner = _runner(fim, backend=backend)
+        runner.capture()
+        assert backend.replays_in_region is decoder_replay
+        kinds = set()
+        # trimmed into a graph; untrimmed in a graph (of the region's own wrappers); untrimmed
+        # beyond the graphs, the region's plan of the whole batch
+        more = [[RequestChunk("a", 100, 100)], [RequestChunk("a", 20, 20)],
+                [RequestChunk("a", 100, 100, keep_all=True)]]
+        for i, reqs in enumerate(COMPOSITIONS + more):
+            reqs = [RequestChunk(f"{r.req_id}{decoder_replay}{i}", r.query_len, r.seq_len, keep_all=r.keep_all,
+                                 kv_start=r.kv_start) for r in reqs]
+            for r in (runner, oracle):
+                r.prefill_context(reqs)
+            before = _plans_of(runner.attention, floored)
+            got, want = runner.step(reqs), oracle.step(reqs)
+            assert max_abs_err(got.logits, want.logits) < 1e-4, reqs
+            kind = (got.trim.trimmed, got.trim.graph) if got.trim else None  # None: no replay region
+            kinds.add(kind)
+            whole = kind in (None, (False, False))
+            assert _plans_of(runner.attention, floored) - before == whole, (reqs, got.trim)
+            for r in (runner, oracle):
+                for q in reqs:
+                    r.free(q.req_id)
+        assert kinds == ({(True, True), (False, True), (False, False)} if decoder_replay else {None})
+
+
+def test_attention_on_a_view_planned_without_its_part_is_an_error(models):
+    """A whole batch planned for the main layers only, then read by a replay layer (a
+    runner that plans like a region would, without one): a clear error, not a stale plan."""
+    _, fim = models
+    runner = _runner(fim)
+    att, batch = runner.attention, runner.build_batch([RequestChunk("a", 40, 40)])
+    att.prepare_main(batch.view)
+    heads, d = fim.cfg.num_heads, fim.cfg.head_dim
+    q = torch.randn(40, heads, d)
+    cache = torch.randn(att.num_slots, d)
+    fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(heads))
+    with pytest.raises(RuntimeError, match="planned for the main layers only"):
+        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, True, torch.zeros(heads))
+
+
 def test_graph_plans_may_list_more_pages_than_the_cache_has_slots(models):
     """Capture's dummy requests all read the same slots, so the plan of a replay graph
     larger than the cache (graphs up to the token budget, the trim threshold above them,

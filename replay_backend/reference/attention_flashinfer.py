@@ -11,11 +11,11 @@ entries are cache slots (flashinfer_batches.py).
 
 FlashInfer plans a batch on the host (``plan()``) and then runs it. Plans are made
 outside graphs: :meth:`FlashInferAttention.prepare` is the forward context's
-``prepare_view`` hook, which the runner calls for the whole batch before the model
-runs and the backend calls for the view the replay region runs on, before the region
-runs or its graph replays. A replay graph is captured with wrappers of its own size in
-FlashInfer's CUDA-graph mode (fixed buffers, a fixed request count), which each later
-plan refills.
+``prepare_view`` hook, which the backend calls for the view the replay region runs on,
+before the region runs or its graph replays; the runner plans the whole batch before
+the model runs, for the main layers only where the replay layers run in a region. A
+replay graph is captured with wrappers of its own size in FlashInfer's CUDA-graph mode
+(fixed buffers, a fixed request count), which each later plan refills.
 """
 from __future__ import annotations
 
@@ -136,8 +136,11 @@ class FlashInferAttention:
             self.workspace = torch.zeros(self.float_bytes, dtype=torch.uint8, device=device)
         replay = cfg.replay_layers
         src = cfg.global_source(replay[0]) if len(replay) else None
-        # What the layers read: every part on the whole batch, the replay layers' on a replay view.
-        self.parts = {"main": [("swa", False), ("swa", True), *(("global", r) for r in sorted(ratios))],
+        # What the layers read: the main layers' parts of the whole batch, every part on
+        # the whole batch (where the replay layers run on it too), the replay layers' on a
+        # replay view.
+        globs = [("global", r) for r in sorted(ratios)]
+        self.parts = {"main-layers": [("swa", False), *globs], "main": [("swa", False), ("swa", True), *globs],
                       "replay": [("swa", True), *((("global", cfg.compress_ratio(src)),) if src is not None else ())]}
         if src is not None and cfg.compress_ratio(src) != 1:
             raise ValueError("attention_impl='flashinfer' needs the replay layers' source at ratio 1: "
@@ -148,25 +151,34 @@ class FlashInferAttention:
     # ---- planning: on the host, outside graphs ----------------------------------------
     @torch.inference_mode(False)
     def prepare(self, view, size: int | None) -> None:
-        """Plan ``view`` for the layers about to read it: ``size`` is the replay graph's
-        size when they run in one, else None. Parts whose wrappers still hold this view's
-        plan are not planned again."""
-        if size is not None:
-            slot, parts, batch = size, self.parts["replay"], self.graph_batch(size)
-        else:
-            slot = "main" if view.comp_slot_mapping is not None else "replay"
-            parts, batch = self.parts[slot], None
-        mine = view.derived.setdefault(PLANS, {})
-        plans = mine.get(slot)
-        if plans is None or any(p.wrapper.holds is not p for p in plans.values()):
+        """Plan ``view`` for every layer that may read it (the forward context's hook):
+        ``size`` is the replay graph's size when the replay layers run in one, else None.
+        Parts whose wrappers still hold this view's plan are not planned again."""
+        whole = size is None and view.comp_slot_mapping is not None
+        self._prepare(view, size, self.parts["main" if whole else "replay"])
+
+    @torch.inference_mode(False)
+    def prepare_main(self, view) -> None:
+        """Plan the whole batch's ``view`` for the main layers only. A runner whose
+        replay layers run in a replay region calls this in its metadata build: the
+        region calls :meth:`prepare` for the view it runs on, so a step that trims never
+        plans the whole batch's floored SWA keys, which only the replay layers read."""
+        self._prepare(view, None, self.parts["main-layers"])
+
+    def _prepare(self, view, size: int | None, parts: list) -> None:
+        slot = size if size is not None else ("main" if view.comp_slot_mapping is not None else "replay")
+        plans = view.derived.setdefault(PLANS, {}).setdefault(slot, {})
+        stale = [part for part in parts if (p := plans.get(part)) is None or p.wrapper.holds is not p]
+        if stale:
+            batch = self.graph_batch(size) if size is not None else None
             layouts = {}
-            for part in parts:
+            for part in stale:
                 kind, arg = part
                 reqs, perm = (swa_part(view, self.cfg.window, arg), None) if kind == "swa" else global_part(view, arg)
                 if size is not None:
                     reqs = padded(reqs, view.num_tokens, size, batch)
                 layouts[part] = layout_of(reqs, perm)
-            plans = mine[slot] = self._plan(slot, layouts, size)
+            plans.update(self._plan(slot, layouts, size))
         view.derived[PLAN] = plans
 
     def graph_batch(self, size: int) -> int:
@@ -279,7 +291,11 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
     if plans is None:
         raise RuntimeError("attention_impl='flashinfer' but this view was not planned: the runner's "
                            "ForwardContext must carry prepare_view=FlashInferAttention.prepare")
-    first = plans[("swa", floored)]
+    first = plans.get(("swa", floored))
+    if first is None:
+        raise RuntimeError("attention_impl='flashinfer': the replay layers read the whole batch, which was "
+                           "planned for the main layers only (prepare_main); a runner whose replay layers "
+                           "run outside a replay region plans it with prepare(view, None)")
     qn = q[:first.rows]
     # Both states in one allocation each: the host's time per layer is the step's
     # critical path where the rows are few.

@@ -189,10 +189,11 @@ class StepRunner:
             raise ValueError(f"the batch was built for cache layout {batch.layout} and window {batch.window}, "
                              f"this runner has {self.layout} and window {self.cfg.window}: build it with "
                              "this runner's build_batch")
-        ctx = self._context(batch, eager_replay=eager_replay, use_graphs=use_graphs)
         fwd = forward if forward is not None else self.forward
-        ids, pos = batch.input_ids, batch.positions
         compiled = fwd is self.forward and self.backend is not None
+        ctx = self._context(batch, compiled and self.backend.replays_in_region, eager_replay=eager_replay,
+                            use_graphs=use_graphs)
+        ids, pos = batch.input_ids, batch.positions
         if compiled and batch.num_tokens == 1:
             # torch specialises size-1 dimensions, so a one-token trace would be a second
             # graph: a lone decode runs as two rows, the second a pad row (token 0 at
@@ -288,12 +289,18 @@ class StepRunner:
         self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
         return self.backend.model
 
-    def _context(self, batch: StepBatch, **kw) -> ForwardContext:
-        """The forward context of a step of ``batch``, its whole batch planned."""
-        prepare = self.attention.prepare if self.attention is not None else None
-        if prepare is not None:
-            prepare(batch.view, None)
-        return ForwardContext(batch, self.kv, prepare_view=prepare, **kw)
+    def _context(self, batch: StepBatch, in_region: bool = False, **kw) -> ForwardContext:
+        """The forward context of a step of ``batch``, its whole batch planned: for the
+        main layers only where the replay layers run in a replay region (``in_region``),
+        whose trim op plans the view they read."""
+        att = self.attention
+        if att is None:
+            return ForwardContext(batch, self.kv, **kw)
+        if in_region:
+            att.prepare_main(batch.view)
+        else:
+            att.prepare(batch.view, None)
+        return ForwardContext(batch, self.kv, prepare_view=att.prepare, **kw)
 
     def _dummy_context(self):
         # Replay graphs run outside any model step, under a dummy context.
