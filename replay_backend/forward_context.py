@@ -36,9 +36,10 @@ class ForwardContext:
     replay_runtime: Any = None
     # ``prepare_view(view, graph_size)``: the model's host-side planning for a view that
     # attention is about to read (e.g. FlashInfer's ``plan()``), outside any graph. The
-    # runner calls it for the whole batch before the model; :meth:`activate` calls it
-    # for the view the replay region runs on, with the replay graph's size when the
-    # region runs as a graph (None otherwise), before the region runs or replays.
+    # runner plans the whole batch before the model; :meth:`activate` calls this for the
+    # view the replay region runs on, with the replay graph's size when the region runs
+    # as a graph (None otherwise), before the region runs or replays. Those calls are
+    # the replay layers' only ones, so the runner's own may leave out what only they read.
     prepare_view: Callable[["AttnView", "int | None"], None] | None = None
 
     def __post_init__(self) -> None:

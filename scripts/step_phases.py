@@ -103,8 +103,8 @@ class Phases:
     def prebuilt(self, tag: str, planned: bool) -> dict:
         r = self.runner
         batch = r.build_batch([RequestChunk(rid, self.isl, self.isl) for rid in self._ids(tag)])
-        if planned and r.attention is not None:
-            r.attention.prepare(batch.view, None)
+        if planned:
+            r.plan_batch(batch, r.backend.replays_in_region)
         sync()
         t0 = time.perf_counter()
         r.run(batch)
@@ -122,7 +122,7 @@ class Phases:
         t1 = time.perf_counter()
         out = {"build": t1 - t0}
         if r.attention is not None:
-            r.attention.prepare(batch.view, None)
+            r.plan_batch(batch, r.backend.replays_in_region)
             out["plan"] = time.perf_counter() - t1
         sync()
         self._free(tag)

@@ -38,7 +38,8 @@ def check_merge(device: str, kernel: bool = True) -> None:
             if permuted:  # the second state computed with its rows in another order
                 perm = torch.randperm(rows, generator=gen)
                 o_b, lse_b = o_b[perm], lse_b[perm]
-                b_rows = torch.argsort(perm).to(device=device, dtype=torch.int32)
+                # int32 as planned; int64 as a caller may hold it
+                b_rows = torch.argsort(perm).to(device, torch.int32 if dtype == torch.float32 else torch.int64)
             to = lambda t: None if t is None else t.to(device)  # noqa: E731
             out = torch.full((rows, heads + 2, d), 9.0, dtype=dtype, device=device)[:, 1:heads + 1]
             args = (out, to(o_a).to(dtype), to(lse_a), to(o_b) if o_b is None else to(o_b).to(dtype), to(lse_b),

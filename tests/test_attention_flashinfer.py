@@ -174,9 +174,9 @@ def test_a_trimming_step_plans_the_whole_batch_for_the_main_layers_only(models):
         assert backend.replays_in_region is decoder_replay
         kinds = set()
         # trimmed into a graph; untrimmed in a graph (of the region's own wrappers); untrimmed
-        # beyond the graphs, the region's plan of the whole batch
+        # beyond the graphs, the region's plan of the whole batch; trimmed beyond the graphs
         more = [[RequestChunk("a", 100, 100)], [RequestChunk("a", 20, 20)],
-                [RequestChunk("a", 100, 100, keep_all=True)]]
+                [RequestChunk("a", 100, 100, keep_all=True)], [RequestChunk(f"a{k}", 20, 20) for k in range(5)]]
         for i, reqs in enumerate(COMPOSITIONS + more):
             reqs = [RequestChunk(f"{r.req_id}{decoder_replay}{i}", r.query_len, r.seq_len, keep_all=r.keep_all,
                                  kv_start=r.kv_start) for r in reqs]
@@ -192,22 +192,29 @@ def test_a_trimming_step_plans_the_whole_batch_for_the_main_layers_only(models):
             for r in (runner, oracle):
                 for q in reqs:
                     r.free(q.req_id)
-        assert kinds == ({(True, True), (False, True), (False, False)} if decoder_replay else {None})
+        assert kinds == ({(True, True), (False, True), (False, False), (True, False)} if decoder_replay
+                         else {None})
 
 
 def test_attention_on_a_view_planned_without_its_part_is_an_error(models):
     """A whole batch planned for the main layers only, then read by a replay layer (a
-    runner that plans like a region would, without one): a clear error, not a stale plan."""
+    runner that plans like a region would, without one): a clear error, not a stale plan,
+    also where that part was planned for the view once and has since been planned over."""
     _, fim = models
     runner = _runner(fim)
-    att, batch = runner.attention, runner.build_batch([RequestChunk("a", 40, 40)])
-    att.prepare_main(batch.view)
+    att = runner.attention
+    batch, other = (runner.build_batch([RequestChunk(r, n, n)]) for r, n in (("a", 40), ("b", 30)))
     heads, d = fim.cfg.num_heads, fim.cfg.head_dim
     q = torch.randn(40, heads, d)
     cache = torch.randn(att.num_slots, d)
-    fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(heads))
-    with pytest.raises(RuntimeError, match="planned for the main layers only"):
-        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, True, torch.zeros(heads))
+    for earlier in (None, other):
+        if earlier is not None:  # every part of the batch, then every part of another
+            att.prepare(batch.view, None)
+            att.prepare(earlier.view, None)
+        att.prepare_main(batch.view)
+        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(heads))
+        with pytest.raises(RuntimeError, match="planned for the main layers only"):
+            fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, True, torch.zeros(heads))
 
 
 def test_graph_plans_may_list_more_pages_than_the_cache_has_slots(models):

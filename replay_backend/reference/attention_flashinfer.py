@@ -76,6 +76,20 @@ class Planned:
     unperm: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class PartSets:
+    """The key sets (parts, ``(kind, arg)``) that each kind of layer reads: the main
+    layers on the whole batch, the replay layers on the view the replay region runs on
+    (a replay view, or the whole batch)."""
+
+    main_layers: tuple
+    replay_layers: tuple
+
+    @property
+    def every(self) -> tuple:
+        return (*self.main_layers, *(p for p in self.replay_layers if p not in self.main_layers))
+
+
 def _programs(device: torch.device) -> int:
     """FlashInfer's work items before it splits no further (two per SM, one KV head)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -136,12 +150,10 @@ class FlashInferAttention:
             self.workspace = torch.zeros(self.float_bytes, dtype=torch.uint8, device=device)
         replay = cfg.replay_layers
         src = cfg.global_source(replay[0]) if len(replay) else None
-        # What the layers read: the main layers' parts of the whole batch, every part on
-        # the whole batch (where the replay layers run on it too), the replay layers' on a
-        # replay view.
-        globs = [("global", r) for r in sorted(ratios)]
-        self.parts = {"main-layers": [("swa", False), *globs], "main": [("swa", False), ("swa", True), *globs],
-                      "replay": [("swa", True), *((("global", cfg.compress_ratio(src)),) if src is not None else ())]}
+        globs = tuple(("global", r) for r in sorted(ratios))
+        self.parts = PartSets(main_layers=(("swa", False), *globs),
+                              replay_layers=(("swa", True), *((("global", cfg.compress_ratio(src)),)
+                                                              if src is not None else ())))
         if src is not None and cfg.compress_ratio(src) != 1:
             raise ValueError("attention_impl='flashinfer' needs the replay layers' source at ratio 1: "
                              "a ratio-r part permutes its rows, which a replay graph cannot do per step")
@@ -154,8 +166,12 @@ class FlashInferAttention:
         """Plan ``view`` for every layer that may read it (the forward context's hook):
         ``size`` is the replay graph's size when the replay layers run in one, else None.
         Parts whose wrappers still hold this view's plan are not planned again."""
-        whole = size is None and view.comp_slot_mapping is not None
-        self._prepare(view, size, self.parts["main" if whole else "replay"])
+        if size is not None:
+            self._prepare(view, size, self.parts.replay_layers)
+        elif view.comp_slot_mapping is not None:  # the whole batch: every layer may read it
+            self._prepare(view, "main", self.parts.every)
+        else:
+            self._prepare(view, "replay", self.parts.replay_layers)
 
     @torch.inference_mode(False)
     def prepare_main(self, view) -> None:
@@ -163,13 +179,17 @@ class FlashInferAttention:
         replay layers run in a replay region calls this in its metadata build: the
         region calls :meth:`prepare` for the view it runs on, so a step that trims never
         plans the whole batch's floored SWA keys, which only the replay layers read."""
-        self._prepare(view, None, self.parts["main-layers"])
+        self._prepare(view, "main", self.parts.main_layers)
 
-    def _prepare(self, view, size: int | None, parts: list) -> None:
-        slot = size if size is not None else ("main" if view.comp_slot_mapping is not None else "replay")
+    def _prepare(self, view, slot, parts: tuple) -> None:
+        """Plan the ``parts`` of ``view`` that its wrappers of ``slot`` (a replay
+        graph's size, "main" or "replay") do not hold, and point attention at exactly
+        ``parts``: another part, even one planned for this view before, may since have
+        been planned over, and reading it must be an error, not another view's plan."""
         plans = view.derived.setdefault(PLANS, {}).setdefault(slot, {})
         stale = [part for part in parts if (p := plans.get(part)) is None or p.wrapper.holds is not p]
         if stale:
+            size = slot if isinstance(slot, int) else None
             batch = self.graph_batch(size) if size is not None else None
             layouts = {}
             for part in stale:
@@ -179,7 +199,7 @@ class FlashInferAttention:
                     reqs = padded(reqs, view.num_tokens, size, batch)
                 layouts[part] = layout_of(reqs, perm)
             plans.update(self._plan(slot, layouts, size))
-        view.derived[PLAN] = plans
+        view.derived[PLAN] = {part: plans[part] for part in parts}
 
     def graph_batch(self, size: int) -> int:
         """The request count of every plan of the replay graph of ``size`` rows: two

@@ -51,7 +51,10 @@ def merge(out: torch.Tensor, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["heads"])
+    # No alignment is assumed where it varies from call to call, so one build serves
+    # them all: ``BRows`` is a slice of a plan's device arrays at any int32 offset, and
+    # ``LB`` the second row of the states' shared lse, ``rows * heads`` floats in.
+    @triton.jit(do_not_specialize=["heads"], do_not_specialize_on_alignment=["LB", "BRows"])
     def _merge_kernel(Out, OA, LA, OB, LB, BRows, Sink, heads, STRIDE_OT: tl.constexpr, STRIDE_OH: tl.constexpr,
                       HAS_B: tl.constexpr, B_ROWS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
         """One row: its heads' states and sink merged (see :func:`merge`)."""
@@ -99,5 +102,5 @@ def _merge_triton(out, o_a, lse_a, o_b, lse_b, sink, b_rows=None) -> None:
     ptrs = (out, o_a, lse_a, o_b if has_b else o_a, lse_b if has_b else lse_a, b_rows if by_rows else sink, sink)
     consts = {"STRIDE_OT": out.stride(0), "STRIDE_OH": out.stride(1), "HAS_B": has_b, "B_ROWS": by_rows, "D": d,
               "BLOCK_H": triton.next_power_of_2(heads)}
-    key = (out.device.index, *[x.dtype for x in ptrs], *aligned(*ptrs), *consts.values())
+    key = (out.device.index, *[x.dtype for x in ptrs], *aligned(*ptrs[:4], ptrs[6]), *consts.values())
     _MERGE(key, (rows, 1, 1), out.device, (*ptrs, heads), consts)

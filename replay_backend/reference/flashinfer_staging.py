@@ -8,8 +8,10 @@ every plan a wait for the GPU. So a slot's plans take turns over ``turns`` sets 
 memory: a plan waits only for the copies of the plan ``turns`` plans before it, which a
 host at most ``turns - 1`` steps ahead of the GPU never does.
 
-All the parts of a slot are planned together (``FlashInferAttention._plan``), so one
-event per turn covers the slot's arrays and its wrappers' work lists alike.
+Each planning call of a slot (``FlashInferAttention._plan``) takes one turn, whatever
+parts it plans, and its event covers the call's arrays and its wrappers' work lists
+alike: any earlier use of a turn's memory, by any wrapper of the slot, was queued
+before the latest event of that turn.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import torch
 
 from . import flashinfer_compat
 
-# Plans of one slot that may be queued at once: the one the GPU is about to run, and
-# the next step's, which the host makes while the GPU runs this one.
+# Planning calls of one slot that may be queued at once: the one the GPU is about to
+# run, and the next one, which the host makes while the GPU runs the first (the next
+# step's, or this step's second where the whole batch's slot takes two).
 TURNS = 2
 
 

@@ -289,18 +289,24 @@ class StepRunner:
         self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
         return self.backend.model
 
-    def _context(self, batch: StepBatch, in_region: bool = False, **kw) -> ForwardContext:
-        """The forward context of a step of ``batch``, its whole batch planned: for the
-        main layers only where the replay layers run in a replay region (``in_region``),
-        whose trim op plans the view they read."""
+    def plan_batch(self, batch: StepBatch, in_region: bool) -> None:
+        """The attention's host-side plans of ``batch``'s whole view (FlashInfer's; none
+        for the other kernels), as :meth:`run` makes them before the model: for the main
+        layers only where the replay layers run in a replay region (``in_region``, see
+        ``ReplayBackend.replays_in_region``), whose trim op plans the view they read."""
         att = self.attention
         if att is None:
-            return ForwardContext(batch, self.kv, **kw)
+            return
         if in_region:
             att.prepare_main(batch.view)
         else:
             att.prepare(batch.view, None)
-        return ForwardContext(batch, self.kv, prepare_view=att.prepare, **kw)
+
+    def _context(self, batch: StepBatch, in_region: bool = False, **kw) -> ForwardContext:
+        """The forward context of a step of ``batch``, its whole batch planned."""
+        self.plan_batch(batch, in_region)
+        prepare = self.attention.prepare if self.attention is not None else None
+        return ForwardContext(batch, self.kv, prepare_view=prepare, **kw)
 
     def _dummy_context(self):
         # Replay graphs run outside any model step, under a dummy context.
