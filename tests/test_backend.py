@@ -718,6 +718,20 @@ def test_recompile_after_freeze_is_an_error(model):
     assert len(env.be.compiled) == 1
 
 
+def test_replays_in_region_only_with_one_graph_that_has_a_region(model):
+    """A runner may leave the whole batch's replay-layer plans to the region only while
+    every step's replay layers run in it: not before the first compile, and not once a
+    second graph (a recompile during warm-up) may run steps without the region."""
+    be = ReplayBackend(**{**DEFAULTS, "cudagraph_mode": "none"})
+    rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, backend=be)
+    assert not be.replays_in_region
+    rc.run(rc.build_batch([R("a", 5, 5)]), use_graphs=False)
+    assert be.replays_in_region
+    with counters.expect(recompiles=1, graphs_seen=1, pieces={"graph": 1}):
+        be(torch.fx.symbolic_trace(torch.nn.ReLU()), [torch.randn(3)])
+    assert len(be.compiled) == 2 and not be.replays_in_region
+
+
 # ======================================================================================
 # Static graphs: recorded input addresses
 # ======================================================================================
