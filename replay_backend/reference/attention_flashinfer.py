@@ -28,7 +28,7 @@ import torch
 from ..capture.graphs import process_fallback
 from . import flashinfer_compat
 from .attention_merge import merge
-from .flashinfer_batches import global_part, layout_of, padded, swa_part
+from .flashinfer_batches import PartSets, global_part, layout_of, padded, swa_part
 from .flashinfer_staging import TURNS, SlotStaging, Wrapper
 
 
@@ -76,20 +76,6 @@ class Planned:
     unperm: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class PartSets:
-    """The key sets (parts, ``(kind, arg)``) that each kind of layer reads: the main
-    layers on the whole batch, the replay layers on the view the replay region runs on
-    (a replay view, or the whole batch)."""
-
-    main_layers: tuple
-    replay_layers: tuple
-
-    @property
-    def every(self) -> tuple:
-        return (*self.main_layers, *(p for p in self.replay_layers if p not in self.main_layers))
-
-
 def _programs(device: torch.device) -> int:
     """FlashInfer's work items before it splits no further (two per SM, one KV head)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -114,6 +100,7 @@ class FlashInferAttention:
     @torch.inference_mode(False)
     def __init__(self, cfg, num_slots: int, max_num_seqs: int, max_rows: int, max_request_rows: int, device,
                  dtype, factory=None, strict: bool = False) -> None:
+        self.parts = PartSets.of(cfg)  # first: it refuses a config this attention cannot serve
         self.cfg, self.device, self.dtype, self.strict = cfg, torch.device(device), dtype, strict
         self.cuda = self.device.type == "cuda"
         self.num_slots, self.max_num_seqs = num_slots, max_num_seqs
@@ -148,15 +135,6 @@ class FlashInferAttention:
         self.float_bytes = heads * rows * (d + 1) * 4 + (1 << 20)
         if factory is None:
             self.workspace = torch.zeros(self.float_bytes, dtype=torch.uint8, device=device)
-        replay = cfg.replay_layers
-        src = cfg.global_source(replay[0]) if len(replay) else None
-        globs = tuple(("global", r) for r in sorted(ratios))
-        self.parts = PartSets(main_layers=(("swa", False), *globs),
-                              replay_layers=(("swa", True), *((("global", cfg.compress_ratio(src)),)
-                                                              if src is not None else ())))
-        if src is not None and cfg.compress_ratio(src) != 1:
-            raise ValueError("attention_impl='flashinfer' needs the replay layers' source at ratio 1: "
-                             "a ratio-r part permutes its rows, which a replay graph cannot do per step")
         self._wrappers: dict[tuple, Wrapper] = {}
         self._staging: dict[object, SlotStaging] = {}
 
@@ -312,7 +290,7 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
         raise RuntimeError("attention_impl='flashinfer' but this view was not planned: the runner's "
                            "ForwardContext must carry prepare_view=FlashInferAttention.prepare")
     first = plans.get(("swa", floored))
-    if first is None:
+    if first is None:  # only the replay layers read floored keys
         raise RuntimeError("attention_impl='flashinfer': the replay layers read the whole batch, which was "
                            "planned for the main layers only (prepare_main); a runner whose replay layers "
                            "run outside a replay region plans it with prepare(view, None)")

@@ -88,6 +88,31 @@ def padded(reqs: list, num_tokens: int, rows: int, batch: int) -> list:
 
 
 @dataclass(frozen=True)
+class PartSets:
+    """The key sets (parts, ``(kind, arg)``: ``("swa", floored)``, ``("global", ratio)``)
+    that each kind of layer reads: the main layers on the whole batch, the replay layers
+    on the view the replay region runs on (a replay view, or the whole batch)."""
+
+    main_layers: tuple
+    replay_layers: tuple
+
+    @classmethod
+    def of(cls, cfg) -> "PartSets":
+        replay = cfg.replay_layers
+        src = cfg.global_source(replay[0]) if len(replay) else None
+        if src is not None and cfg.compress_ratio(src) != 1:
+            raise ValueError("attention_impl='flashinfer' needs the replay layers' source at ratio 1: "
+                             "a ratio-r part permutes its rows, which a replay graph cannot do per step")
+        globs = tuple(("global", r) for r in sorted(cfg.global_ratios))
+        return cls(main_layers=(("swa", False), *globs),
+                   replay_layers=(("swa", True), *((("global", 1),) if src is not None else ())))
+
+    @property
+    def every(self) -> tuple:
+        return (*self.main_layers, *(p for p in self.replay_layers if p not in self.main_layers))
+
+
+@dataclass(frozen=True)
 class PartLayout:
     """One key set of one view as FlashInfer's batch (int32, as its kernels index):
     ``small`` holds ``qo_indptr``, ``kv_indptr``, ``kv_lens`` and the last page's
