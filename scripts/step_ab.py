@@ -51,7 +51,12 @@ class Variant:
         return Variant(name, found)
 
     def __call__(self, runner) -> Callable[[], None]:
-        return self.apply(runner) if self.apply is not None else (lambda: None)
+        if self.apply is None:
+            return lambda: None
+        undo = self.apply(runner)
+        if not callable(undo):  # the change is made and cannot be taken back: stop here
+            raise SystemExit(f"variant {self.name}: apply(runner) returned {undo!r}, not a callable that undoes it")
+        return undo
 
 
 def _points(text: str) -> list[tuple[int, int]]:
