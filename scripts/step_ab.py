@@ -27,12 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from replay_backend.bench.profile import NoKernelsRecorded, kernel_floor_ms
 from replay_backend.bench.timing import host_probe
 from replay_backend.torch_compat import CudaTracing
-from step_phases import WARMUP, Phases, build_runner
+from step_phases import WARMUP, Phases, add_samples, build_runner, floor_ms
 
 
 @dataclass(frozen=True)
@@ -107,29 +104,25 @@ def main() -> int:
                 return [(pt, one_point(*pt, f"{k}{v.name}{pt}{j}")) for pt in args.points for j in range(args.per)]
             for (isl, conc), got in under(v, round_of):
                 if k >= WARMUP:
-                    for key in ("full", "ret"):
-                        samples.setdefault(f"{v.name} {isl}/{conc} {key}", []).append(got[key] * 1e3)
+                    add_samples(samples.setdefault(f"{v.name} {isl}/{conc}", {}),
+                                {key: got[key] for key in ("full", "ret")})
         if time.perf_counter() - start > args.max_seconds:
             print(f"stopped after round {k + 1} of {args.rounds + WARMUP}", flush=True)
             break
     print(f"host at end: {host_probe()}", flush=True)
+    tracing = CudaTracing()
     floors: dict = {}
-    if torch.cuda.is_available():
-        tracing = CudaTracing()
-        for v in variants:
-            for isl, conc in args.points:
-                key = f"{v.name} {isl}/{conc}"
-                try:
-                    floors[key] = under(v, lambda: kernel_floor_ms(
-                        lambda: one_point(isl, conc, "floor")["full"] * 1e3, tracing))
-                except NoKernelsRecorded as e:
-                    print(f"{key}: no floor: {e}")
+    for v in variants:
+        for isl, conc in args.points:
+            key = f"{v.name} {isl}/{conc}"
+            floors[key] = under(v, lambda: floor_ms(lambda: one_point(isl, conc, "floor")["full"] * 1e3,
+                                                   tracing, key))
     print("| point | variant | median ms | q1 / q3 | n | floor ms | / floor | run() returned at |")
     print("|---|---|---|---|---|---|---|---|")
     for isl, conc in args.points:
         for v in variants:
             key = f"{v.name} {isl}/{conc}"
-            s = samples.get(f"{key} full", [])
+            s = samples.get(key, {}).get("full", [])
             if len(s) < 2:
                 continue
             q = statistics.quantiles(s, n=4, method="inclusive")
@@ -137,7 +130,7 @@ def main() -> int:
             ratio = f"{med / floor:.3f}" if floor else "-"
             print(f"| {isl}/{conc} | {v.name} | {med:.3f} | {q[0]:.3f} / {q[2]:.3f} | {len(s)} | "
                   f"{floor if floor is None else round(floor, 3)} | {ratio} | "
-                  f"{statistics.median(samples[key + ' ret']):.3f} |", flush=True)
+                  f"{statistics.median(samples[key]['ret']):.3f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"samples": samples, "floors": floors}, f)

@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -48,6 +49,18 @@ def add_samples(samples: dict, got: dict) -> None:
     """One round's timings (seconds) added to ``samples`` (ms per key)."""
     for key, s in got.items():
         samples.setdefault(key, []).append(s * 1e3)
+
+
+def floor_ms(step_ms: Callable[[], float], tracing: CudaTracing, label: str) -> float | None:
+    """The kernel-time floor of the step ``step_ms`` runs (returning its ms); None on a
+    CPU, or where the profiler recorded no kernels (said, under ``label``)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return kernel_floor_ms(step_ms, tracing)
+    except NoKernelsRecorded as e:
+        print(f"{label}: no floor: {e}")
+        return None
 
 
 def build_runner(impl: str, args) -> StepRunner:
@@ -157,12 +170,7 @@ def main() -> int:
         print(f"{impl} {point}: " + ", ".join(f"{key} {v:.3f}" for key, v in med.items()), flush=True)
     tracing = CudaTracing()
     for impl, ph in phases.items():
-        try:
-            floor = (kernel_floor_ms(lambda ph=ph: ph.full("floor")["full"] * 1e3, tracing)
-                     if torch.cuda.is_available() else None)
-        except NoKernelsRecorded as e:
-            floor = None
-            print(f"{impl}: no floor: {e}")
+        floor = floor_ms(lambda ph=ph: ph.full("floor")["full"] * 1e3, tracing, impl)
         samples[impl]["floor"] = floor
         print(f"{impl} {point}: floor {floor if floor is None else round(floor, 3)}", flush=True)
     if args.json:
