@@ -56,6 +56,13 @@ class Variant:
         return undo
 
 
+def floor_step(phases: Phases, isl: int, conc: int) -> float:
+    """One step of ``isl`` x ``conc`` as the bench times it, its ms: what a floor profiles.
+    The floor is the kernel time of every step its callable runs, so exactly one."""
+    phases.isl, phases.conc = isl, conc
+    return phases.full("floor")["full"] * 1e3
+
+
 def _points(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in p.split("/")) for p in text.split(",")]
 
@@ -115,8 +122,7 @@ def main() -> int:
     for v in variants:
         for isl, conc in args.points:
             key = f"{v.name} {isl}/{conc}"
-            floors[key] = under(v, lambda: floor_ms(lambda: one_point(isl, conc, "floor")["full"] * 1e3,
-                                                   tracing, key))
+            floors[key] = under(v, lambda: floor_ms(lambda: floor_step(phases, isl, conc), tracing, key))
     print("| point | variant | median ms | q1 / q3 | n | floor ms | / floor | run() returned at |")
     print("|---|---|---|---|---|---|---|---|")
     for isl, conc in args.points:
