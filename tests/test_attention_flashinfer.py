@@ -152,6 +152,28 @@ def test_compiled_model_plans_each_view_before_it_is_read(models):
             assert set(w.inner.plan_rows) == {slot}, (slot, w.inner.plan_rows)
 
 
+def test_plans_outside_graphs_split_only_where_a_row_reads_many_keys(models, monkeypatch):
+    """FlashInfer would split any plan's keys to fill the GPU. Outside graphs a part's
+    plan may split only where some row reads at least SPLIT_MIN_KEYS keys: never the
+    SWA part (a row reads at most the window), the global parts of a long request."""
+    ref, fim = models
+    window = fim.cfg.window
+    monkeypatch.setattr(fi, "SPLIT_MIN_KEYS", 48)
+    assert window < 48
+    runner, oracle = _runner(fim), _runner(ref)
+
+    def splits(reqs, i) -> dict:
+        _agree(runner, oracle, reqs, i)
+        return {part: w.inner.split for (slot, part), w in runner.attention._wrappers.items() if slot == "main"}
+
+    # the ratio-1 part reads 40 keys, the ratio-2 part 20: neither splits
+    assert splits([RequestChunk("a", 40, 40)], 0) == {("swa", False): False, ("swa", True): False,
+                                                      ("global", 1): False, ("global", 2): False}
+    # 100 and 50: both global parts may split; the SWA keys, 30 + window - 1 per request, never
+    assert splits([RequestChunk("a", 30, 100)], 1) == {("swa", False): False, ("swa", True): False,
+                                                       ("global", 1): True, ("global", 2): True}
+
+
 def _plans_of(att, key) -> int:
     w = att._wrappers.get(key)
     return 0 if w is None else w.inner.plans

@@ -76,6 +76,15 @@ class Planned:
     unperm: torch.Tensor | None
 
 
+# FlashInfer splits a plan's keys across programs to fill the GPU whatever the keys per
+# row, and its split costs a partial state per chunk written, read back and merged by a
+# further kernel. Where each row reads few keys (an SWA row at most the window) that
+# costs more than the parallelism gives, so a plan outside graphs may split only where
+# some row reads at least this many keys: the Triton kernel's threshold (MIN_SPLIT_KEYS,
+# attention_triton.py), below which a split's walk is short there too.
+SPLIT_MIN_KEYS = 2048
+
+
 def _programs(device: torch.device) -> int:
     """FlashInfer's work items before it splits no further (two per SM, one KV head)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -224,7 +233,11 @@ class FlashInferAttention:
             k = lay.kv_indices.numel()
             wrapper = self._wrapper(slot, part, size, b, k)
             kind, _ = part
-            wrapper.plan(turn, qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
+            # A graph wrapper's policy is fixed at capture (_graph_splits); elsewhere a
+            # plan splits only where some row reads enough keys for it to pay.
+            reads = lay.keys if kind == "global" else min(lay.keys, self.cfg.window)
+            split = wrapper.split and (size is not None or reads >= SPLIT_MIN_KEYS)
+            wrapper.plan(turn, split, qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
                          paged_kv_last_page_len=last, seq_lens=lens, num_qo_heads=self.cfg.num_heads,
                          num_kv_heads=1, head_dim_qk=self.cfg.head_dim, page_size=1, causal=True,
                          window_left=self.cfg.window - 1 if kind == "swa" else -1,

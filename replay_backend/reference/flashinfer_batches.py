@@ -117,7 +117,8 @@ class PartLayout:
     """One key set of one view as FlashInfer's batch (int32, as its kernels index):
     ``small`` holds ``qo_indptr``, ``kv_indptr``, ``kv_lens`` and the last page's
     length (page size 1: 1, or 0 for no keys) back to back, for ``batch`` requests;
-    ``longest`` is the most rows of one request; ``kv_indices`` is the page table of
+    ``longest`` is the most rows of one request, ``keys`` its most keys;
+    ``kv_indices`` is the page table of
     cache slots; ``perm`` the rows in sub-request order for a ratio-r global part
     (None: rows in view order), and ``unperm`` its inverse: where each row of the view
     lies in that order."""
@@ -125,6 +126,7 @@ class PartLayout:
     batch: int
     rows: int
     longest: int
+    keys: int
     small: list[int]
     kv_indices: torch.Tensor
     perm: torch.Tensor | None
@@ -132,11 +134,11 @@ class PartLayout:
 
 
 def layout_of(reqs: list[tuple[int, int, int]], perm: torch.Tensor | None = None) -> PartLayout:
-    qo, kv, longest = [0], [0], 0
+    qo, kv, longest, keys = [0], [0], 0, 0
     for q, _, k in reqs:
         qo.append(qo[-1] + q)
         kv.append(kv[-1] + k)
-        longest = max(longest, q)
+        longest, keys = max(longest, q), max(keys, k)
     lens = [k for _, _, k in reqs]
     pieces = [torch.arange(s, s + k, dtype=torch.int32) for _, s, k in reqs if k]
     idx = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
@@ -144,4 +146,5 @@ def layout_of(reqs: list[tuple[int, int, int]], perm: torch.Tensor | None = None
     if perm is not None:
         unperm = torch.empty_like(perm)
         unperm[perm.long()] = torch.arange(perm.numel(), dtype=perm.dtype)
-    return PartLayout(len(reqs), qo[-1], longest, qo + kv + lens + [int(k > 0) for k in lens], idx, perm, unperm)
+    return PartLayout(len(reqs), qo[-1], longest, keys, qo + kv + lens + [int(k > 0) for k in lens], idx, perm,
+                      unperm)

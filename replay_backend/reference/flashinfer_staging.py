@@ -84,11 +84,13 @@ class Wrapper:
             self.staging = [own] + [torch.zeros(own.numel(), dtype=torch.uint8, pin_memory=pinned)
                                     for _ in range(turns - 1)]
 
-    def plan(self, turn: int, **kw) -> None:
+    def plan(self, turn: int, split: bool, **kw) -> None:
+        """Plan in the turn's staging buffer; ``split``: whether this plan may split its
+        keys, never where the wrapper's plans must not (``self.split`` false)."""
         if self.staging:
             flashinfer_compat.stage_plans_in(self.inner, self.staging[turn])
         self.calls.planned()
-        self.inner.plan(disable_split_kv=not self.split, **kw)
+        self.inner.plan(disable_split_kv=not (split and self.split), **kw)
 
     def run(self, q, kv, out, lse) -> None:
         self.calls(q, kv, out, lse)
