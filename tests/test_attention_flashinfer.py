@@ -154,11 +154,11 @@ def test_compiled_model_plans_each_view_before_it_is_read(models):
 
 def test_plans_outside_graphs_split_only_where_a_row_reads_many_keys(models, monkeypatch):
     """FlashInfer would split any plan's keys to fill the GPU. Outside graphs a part's
-    plan may split only where some row reads at least SPLIT_MIN_KEYS keys: never the
+    plan may split only where some row reads at least MIN_SPLIT_KEYS keys: never the
     SWA part (a row reads at most the window), the global parts of a long request."""
     ref, fim = models
     window = fim.cfg.window
-    monkeypatch.setattr(fi, "SPLIT_MIN_KEYS", 48)
+    monkeypatch.setattr(fi, "MIN_SPLIT_KEYS", 48)
     assert window < 48
     runner, oracle = _runner(fim), _runner(ref)
 
@@ -172,6 +172,10 @@ def test_plans_outside_graphs_split_only_where_a_row_reads_many_keys(models, mon
     # 100 and 50: both global parts may split; the SWA keys, 30 + window - 1 per request, never
     assert splits([RequestChunk("a", 30, 100)], 1) == {("swa", False): False, ("swa", True): False,
                                                        ("global", 1): True, ("global", 2): True}
+    # a row reads what counts, not its request's keys: the SWA request lists 40 + window - 1
+    # positions, the ratio-2 part's requests (its residue classes) 30 entries, 60 positions
+    assert splits([RequestChunk("a", 40, 60)], 2) == {("swa", False): False, ("swa", True): False,
+                                                      ("global", 1): True, ("global", 2): False}
 
 
 def _plans_of(att, key) -> int:

@@ -80,9 +80,9 @@ class Planned:
 # row, and its split costs a partial state per chunk written, read back and merged by a
 # further kernel. Where each row reads few keys (an SWA row at most the window) that
 # costs more than the parallelism gives, so a plan outside graphs may split only where
-# some row reads at least this many keys: the Triton kernel's threshold (MIN_SPLIT_KEYS,
-# attention_triton.py), below which a split's walk is short there too.
-SPLIT_MIN_KEYS = 2048
+# some row reads at least this many keys: the Triton kernel's threshold (its own
+# MIN_SPLIT_KEYS, attention_triton.py), below which a split's walk is short there too.
+MIN_SPLIT_KEYS = 2048
 
 
 def _programs(device: torch.device) -> int:
@@ -233,10 +233,11 @@ class FlashInferAttention:
             k = lay.kv_indices.numel()
             wrapper = self._wrapper(slot, part, size, b, k)
             kind, _ = part
-            # A graph wrapper's policy is fixed at capture (_graph_splits); elsewhere a
-            # plan splits only where some row reads enough keys for it to pay.
-            reads = lay.keys if kind == "global" else min(lay.keys, self.cfg.window)
-            split = wrapper.split and (size is not None or reads >= SPLIT_MIN_KEYS)
+            # A graph wrapper's plans keep the policy its capture fixed (Wrapper.split):
+            # an unsplit graph plan reads its work list past its end, which only
+            # wrappers made unsplit have cleared (flashinfer_compat).
+            row_keys = lay.keys if kind == "global" else min(lay.keys, self.cfg.window)
+            split = size is not None or row_keys >= MIN_SPLIT_KEYS
             wrapper.plan(turn, split, qo_indptr=qo, paged_kv_indptr=kv, paged_kv_indices=dev[tables:tables + k],
                          paged_kv_last_page_len=last, seq_lens=lens, num_qo_heads=self.cfg.num_heads,
                          num_kv_heads=1, head_dim_qk=self.cfg.head_dim, page_size=1, causal=True,

@@ -65,7 +65,7 @@ class SlotStaging:
 
 
 class Wrapper:
-    """A FlashInfer prefill wrapper, whether its plans split their keys, the plan it holds
+    """A FlashInfer prefill wrapper, whether its plans may split their keys, the plan it holds
     now (``holds``), and one staging buffer per turn where there is more than one turn
     (the first its own, the others zeroed). A wrapper whose plans do not split starts
     with its own plan memory cleared too, as flashinfer_compat requires. Its calls go
