@@ -9,8 +9,12 @@ and for each --conc the medians of step_phases.py's timed variants of one step o
 --profile-steps steps' host work (the runner's ``prefill``, the synchronisation after
 it left out), written to ``DIR/cprof_<impl>_<conc>.txt`` sorted by own time and by
 cumulative time. cProfile slows every Python call, so read its figures as shares, and
-the medians (taken before it) as times. No floors: step_phases.py takes them. On a CPU
-it runs as a dry run.
+the medians (taken before it) as times. Between the two, the median wall time per step
+inside each of a few named functions (:data:`COMPONENTS`: the batch build and plan,
+graph pieces, the trim op and its region, the attention op and its parts), with its
+calls per step: timed by a clock read around each call only, so these are times, each
+including the components called inside it. No floors: step_phases.py takes them. On a
+CPU it runs as a dry run.
 
     python3 scripts/host_profile.py --attention flashinfer,triton --isl 1024 --conc 1,8 --out DIR
 """
@@ -32,6 +36,70 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_phases import WARMUP, Phases, add_samples, build_runner, sync  # noqa: E402
 
 from replay_backend.bench.timing import host_probe  # noqa: E402
+from replay_backend.capture.graphs import PieceRunner  # noqa: E402
+from replay_backend.dispatch.trim_op import ReplayRuntime  # noqa: E402
+from replay_backend.reference import (attention_flashinfer, attention_ops, attention_triton,  # noqa: E402
+                                      cache_triton, flashinfer_compat, flashinfer_staging)
+from replay_backend.reference.runner import StepRunner  # noqa: E402
+
+# (owner, attribute, label): the functions whose wall time a step spends inside, found
+# on their owner at each call (a class's method, a module's function called through it).
+COMPONENTS = (
+    (StepRunner, "build_batch", "build"),
+    (StepRunner, "plan_batch", "plan"),
+    (PieceRunner, "forward", "graph piece"),
+    (ReplayRuntime, "__call__", "trim op"),
+    (ReplayRuntime, "run_region", "trim op's region"),
+    (attention_ops, "_run_attention", "attention op"),
+    (cache_triton, "write", "cache write"),
+    (attention_triton, "attend", "Triton attend"),
+    (attention_flashinfer, "attend", "FlashInfer attend"),
+    (attention_flashinfer, "_run", "FlashInfer part"),
+    (flashinfer_compat.DirectCalls, "__call__", "FlashInfer call"),
+    (attention_flashinfer, "merge", "state merge"),
+    (attention_flashinfer.FlashInferAttention, "_prepare", "FlashInfer planning"),
+    (flashinfer_staging.Wrapper, "plan", "FlashInfer plan()"),
+)
+
+
+class Components:
+    """While entered, the wall time and calls inside each of :data:`COMPONENTS`, summed
+    until :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.sums: dict = {}
+        self._saved: list = []
+
+    def __enter__(self) -> "Components":
+        for owner, name, label in COMPONENTS:
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, self._timed(fn, label))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def _timed(self, fn, label: str):
+        sums, clock = self.sums, time.perf_counter
+
+        def timed(*args, **kw):
+            t0 = clock()
+            try:
+                return fn(*args, **kw)
+            finally:
+                entry = sums.setdefault(label, [0.0, 0])
+                entry[0] += clock() - t0
+                entry[1] += 1
+        return timed
+
+    def take(self) -> dict:
+        """``label -> (seconds, calls)`` since the last take."""
+        got = {label: tuple(v) for label, v in self.sums.items()}
+        self.sums.clear()  # in place: the timed functions hold this dict
+        return got
 
 
 def _medians(ph: Phases, runs: int) -> dict:
@@ -41,6 +109,20 @@ def _medians(ph: Phases, runs: int) -> dict:
         if k >= WARMUP:
             add_samples(samples, got)
     return {key: round(statistics.median(v), 3) for key, v in samples.items()}
+
+
+def _components(ph: Phases, runs: int) -> str:
+    """Per component, the median ms per step inside it and its calls per step."""
+    ms: dict = {}
+    with Components() as comp:
+        for k in range(runs + WARMUP):
+            ph.full(f"cm{ph.conc}-{k}")
+            got = comp.take()
+            if k >= WARMUP:
+                for label, (s, n) in got.items():
+                    ms.setdefault(label, []).append((s * 1e3, n))
+    return ", ".join(f"{label} {statistics.median(t for t, _ in v):.3f} ms / {statistics.median(n for _, n in v):g}"
+                     for label, v in ms.items())
 
 
 def _cprofile(ph: Phases, steps: int) -> str:
@@ -86,6 +168,7 @@ def main() -> int:
         for conc in args.conc:
             ph.conc = conc
             print(f"{impl} {args.isl}/{conc}: {_medians(ph, args.runs)}", flush=True)
+            print(f"{impl} {args.isl}/{conc} inside (ms per step / calls): {_components(ph, args.runs)}", flush=True)
             with open(os.path.join(args.out, f"cprof_{impl}_{conc}.txt"), "w") as f:
                 f.write(_cprofile(ph, args.profile_steps))
         del ph

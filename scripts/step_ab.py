@@ -29,7 +29,7 @@ from typing import Callable
 
 from replay_backend.bench.timing import host_probe
 from replay_backend.torch_compat import CudaTracing
-from step_phases import WARMUP, Phases, add_samples, build_runner, floor_ms
+from step_phases import WARMUP, Phases, add_samples, build_runner, floor_ms, floor_step
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,6 @@ class Variant:
         if not callable(undo):  # the change is made and cannot be taken back: stop here
             raise SystemExit(f"variant {self.name}: apply(runner) returned {undo!r}, not a callable that undoes it")
         return undo
-
-
-def floor_step(phases: Phases, isl: int, conc: int) -> float:
-    """One step of ``isl`` x ``conc`` as the bench times it, its ms: what a floor profiles.
-    The floor is the kernel time of every step its callable runs, so exactly one."""
-    phases.isl, phases.conc = isl, conc
-    return phases.full("floor")["full"] * 1e3
 
 
 def _points(text: str) -> list[tuple[int, int]]:

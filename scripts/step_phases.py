@@ -63,6 +63,13 @@ def floor_ms(step_ms: Callable[[], float], tracing: CudaTracing, label: str) -> 
         return None
 
 
+def floor_step(phases: "Phases", isl: int, conc: int) -> float:
+    """One step of ``isl`` x ``conc`` as the bench times it, its ms: what a floor profiles.
+    The floor is the kernel time of every step its callable runs, so exactly one."""
+    phases.isl, phases.conc = isl, conc
+    return phases.full("floor")["full"] * 1e3
+
+
 def build_runner(impl: str, args) -> StepRunner:
     """A captured ``replay`` runner of ``args.preset`` with attention ``impl``, for steps of
     up to ``args.conc`` requests of ``args.isl`` tokens."""
@@ -170,7 +177,7 @@ def main() -> int:
         print(f"{impl} {point}: " + ", ".join(f"{key} {v:.3f}" for key, v in med.items()), flush=True)
     tracing = CudaTracing()
     for impl, ph in phases.items():
-        floor = floor_ms(lambda ph=ph: ph.full("floor")["full"] * 1e3, tracing, impl)
+        floor = floor_ms(lambda ph=ph: floor_step(ph, args.isl, args.conc), tracing, impl)
         samples[impl]["floor"] = floor
         print(f"{impl} {point}: floor {floor if floor is None else round(floor, 3)}", flush=True)
     if args.json:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -23,13 +24,41 @@ class CountingPhases:
         return {"prebuilt": 0.002, "ret": 0.001}
 
 
-def test_step_ab_profiles_one_step_per_floor(monkeypatch):
-    """A floor is the kernel time of every step its callable runs: step_ab's callable
-    runs exactly one step of its point, timed as the bench times it."""
+def test_a_floor_profiles_one_step(monkeypatch):
+    """A floor is the kernel time of every step its callable runs: the callable of
+    step_phases.py and step_ab.py runs exactly one step of its point, timed as the
+    bench times it."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
     monkeypatch.delitem(sys.modules, "step_ab", raising=False)
     import step_ab
+    import step_phases
 
+    assert step_ab.floor_step is step_phases.floor_step
     phases = CountingPhases()
-    assert step_ab.floor_step(phases, 1024, 8) == 2.0
+    assert step_phases.floor_step(phases, 1024, 8) == 2.0
     assert phases.steps == [("full", 1024, 8)]
+
+
+class Owner:
+    def work(self, x):
+        time.sleep(0.01)
+        return x + 1
+
+
+def test_host_profile_components_time_each_call_and_undo(monkeypatch):
+    """host_profile.py's per-component times: the wall time and calls inside each listed
+    function since the last take (also those made through an instance, as methods),
+    and every function as it was once the timing ends."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import host_profile
+
+    monkeypatch.setattr(host_profile, "COMPONENTS", ((Owner, "work", "work"),))
+    original = Owner.__dict__["work"]
+    with host_profile.Components() as components:
+        assert Owner().work(1) == 2 and Owner().work(2) == 3
+        seconds, calls = components.take()["work"]
+        assert calls == 2 and seconds >= 0.02
+        assert components.take() == {}
+        Owner().work(3)
+        assert components.take()["work"][1] == 1
+    assert Owner.__dict__["work"] is original
