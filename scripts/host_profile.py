@@ -71,10 +71,13 @@ class Components:
         self._saved: list = []
 
     def __enter__(self) -> "Components":
-        for owner, name, label in COMPONENTS:
-            fn = getattr(owner, name)
-            self._saved.append((owner, name, owner.__dict__[name]))
-            setattr(owner, name, self._timed(fn, label))
+        try:
+            for owner, name, label in COMPONENTS:
+                self._saved.append((owner, name, owner.__dict__[name]))
+                setattr(owner, name, self._timed(getattr(owner, name), label))
+        except BaseException:
+            self.__exit__()  # nothing left wrapped by a table that names a missing function
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -117,11 +117,10 @@ class PartLayout:
     """One key set of one view as FlashInfer's batch (int32, as its kernels index):
     ``small`` holds ``qo_indptr``, ``kv_indptr``, ``kv_lens`` and the last page's
     length (page size 1: 1, or 0 for no keys) back to back, for ``batch`` requests;
-    ``longest`` is the most rows of one request, ``keys`` its most keys;
-    ``kv_indices`` is the page table of
-    cache slots; ``perm`` the rows in sub-request order for a ratio-r global part
-    (None: rows in view order), and ``unperm`` its inverse: where each row of the view
-    lies in that order."""
+    ``longest`` and ``keys`` are the most rows and the most keys of one request;
+    ``kv_indices`` is the page table of cache slots; ``perm`` the rows in sub-request
+    order for a ratio-r global part (None: rows in view order), and ``unperm`` its
+    inverse: where each row of the view lies in that order."""
 
     batch: int
     rows: int
