@@ -73,8 +73,9 @@ class Components:
     def __enter__(self) -> "Components":
         try:
             for owner, name, label in COMPONENTS:
-                self._saved.append((owner, name, owner.__dict__[name]))
-                setattr(owner, name, self._timed(getattr(owner, name), label))
+                original = owner.__dict__[name]  # a function: a class's method or a module's
+                self._saved.append((owner, name, original))
+                setattr(owner, name, self._timed(original, label))
         except BaseException:
             self.__exit__()  # nothing left wrapped by a table that names a missing function
             raise
