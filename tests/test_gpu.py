@@ -1,6 +1,8 @@
 """GPU tests (CUDA graphs, Triton attention, grouped MoE); skipped without CUDA."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -62,9 +64,26 @@ def agree(got, want, runner, oracle, tol: float | None) -> bool:
     return max_abs_err(got.logits, want.logits) < tol and max_abs_err_kv(runner.kv, oracle.kv, got.batch) < tol
 
 
+@contextlib.contextmanager
+def no_host_sync():
+    """Raise on any synchronizing CUDA call made through PyTorch inside (a device-to-host
+    copy, ``.item()``, a stream or device synchronize): a served step must never wait
+    for the GPU. Calls that do not go through PyTorch (FlashInfer's own) and event waits
+    are not seen."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the mode is on: one known sync is refused
+            torch.zeros(1, device="cuda").item()
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def check_compositions(model, compiler: str, tol: float | None) -> None:
     """One captured, serving runner (one compile) vs the eager oracle on every composition,
-    each after the same cached context built by the oracle path."""
+    each after the same cached context built by the oracle path. No served step makes a
+    host sync (:func:`no_host_sync`)."""
     # strict: a fallback (the trim op's row-moves kernel among them) fails the test
     runner = StepRunner(model, max_model_len=512, backend=ReplayBackend(compiler=compiler, strict=True, **OPTS))
     oracle = StepRunner(model, max_model_len=512)
@@ -75,7 +94,9 @@ def check_compositions(model, compiler: str, tol: float | None) -> None:
         reqs = [RequestChunk(f"{r.req_id}{i}", r.query_len, r.seq_len, keep_all=r.keep_all) for r in reqs]
         for r in (runner, oracle):
             r.prefill_context(reqs, forward=model)
-        got, want = runner.step(reqs), oracle.step(reqs)
+        with no_host_sync():
+            got = runner.step(reqs)
+        want = oracle.step(reqs)
         kinds.add((got.step.kind, got.trim.trimmed, got.trim.graph, got.trim.io_graphs))
         assert agree(got, want, runner, oracle, tol), reqs
         for r in (runner, oracle):
