@@ -55,23 +55,19 @@ def layers_of(node: fx.Node) -> set[int]:
     return found
 
 
-def named_args(node: fx.Node) -> dict:
+def named_args(node: fx.Node, defaults: bool = False) -> dict:
     """The node's arguments by schema name, bound to the one overload of its target that
     the traced values fit; ``{}`` where none or several different bindings fit (callers
-    then read positions). Binding by the values, not by the argument count alone, keeps
-    the answer the same whatever overloads a torch version lists: some list a
-    named-dimension twin (``mean(x, dim: str[])``) beside ``mean(x, dim: int[])``."""
-    from torch.fx import operator_schemas
+    then read positions or refuse). Binding by the values, not by the argument count
+    alone, keeps the answer the same whatever overloads a torch version lists: some list
+    a named-dimension twin (``mean(x, dim: str[])``) beside ``mean(x, dim: int[])``.
 
-    target = getattr(torch, node.target, None) if node.op == "call_method" else node.target
-    if target is None or not callable(target):
-        return {}
-    try:
-        signatures = operator_schemas.get_signature_for_torch_op(target) or []
-    except Exception:  # noqa: BLE001 - a target torch has no schema for
-        return {}
+    With ``defaults`` the parameters left out carry their declared defaults (a dimension
+    a call leaves implicit is as decisive as one it spells out); a default on which the
+    fitting overloads disagree is left out rather than guessed."""
+    signatures = _signatures(node)
     values = fx.node.map_aggregate(node.args, _traced), fx.node.map_aggregate(dict(node.kwargs), _traced)
-    found: dict | None = None
+    found: list[tuple[dict, dict]] = []
     for sig in signatures:
         try:
             by_value = sig.bind(*values[0], **values[1])
@@ -80,10 +76,59 @@ def named_args(node: fx.Node) -> dict:
             continue
         if not all(_fits(sig.parameters[k].annotation, v) for k, v in by_value.arguments.items()):
             continue
-        if found is not None and found != dict(bound.arguments):
-            return {}
-        found = dict(bound.arguments)
-    return found or {}
+        given = dict(bound.arguments)
+        bound.apply_defaults()
+        found.append((given, dict(bound.arguments)))
+    if not found or any(not _same(given, found[0][0]) for given, _ in found):
+        return {}
+    if not defaults:
+        return found[0][0]
+    full = found[0][1]
+    return {k: v for k, v in full.items() if all(k in f and _same(f[k], v) for _, f in found)}
+
+
+def _signatures(node: fx.Node) -> list[inspect.Signature]:
+    """The signatures a call may bind to: a torch op's schemas (a tensor method's are its
+    ``torch`` function's or its aten op's), else a Python function's own signature."""
+    from torch.fx import operator_schemas
+
+    if node.op == "call_method":
+        target = getattr(torch, node.target, None)
+        if target is None or not callable(target):
+            target = getattr(torch.ops.aten, node.target, None) if not node.target.startswith("_") else None
+    else:
+        target = node.target
+    if target is None or not callable(target):
+        return []
+    try:
+        found = operator_schemas.get_signature_for_torch_op(target) or []
+    except Exception:  # noqa: BLE001 - a target torch has no schema for
+        found = []
+    if found or not inspect.isfunction(target):
+        return found
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return []
+    # ``*args`` says nothing of what a position means (boolean_dispatch's wrappers)
+    return [] if any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()) else [sig]
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    # by identity only: a symbolic size compared by value would record a guard on it
+    opaque = (fx.Node, torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    if isinstance(a, opaque) or isinstance(b, opaque):
+        return False
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # noqa: BLE001 - values without a plain equality
+        return False
 
 
 _UNKNOWN = object()

@@ -434,10 +434,10 @@ CONV = torch.randn(H, H, 3)
 HOLES = {
     "shift by one row": (lambda h, p: torch.nn.functional.pad(h[:-1], (0, 0, 1, 0)), "changes the number of rows"),
     "conv1d over tokens": (lambda h, p: torch.nn.functional.conv1d(h.t()[None], CONV, padding=1)[0].t(),
-                           "conv1d) is not known to be row-local"),
+                           "conv1d (conv1d) convolves or mixes channels along the token dimension"),
     "an undeclared custom op": (lambda h, p: torch.ops.toytest.rowmix(h),
                                 "toytest::rowmix) is not known to be row-local: declare it"),
-    "one row picked": (lambda h, p: h * h[0], "reduces over the token dimension"),
+    "one row picked": (lambda h, p: h * h[0], "(getitem) selects rows"),
     "rows reshaped into features": (lambda h, p: h.reshape(-1, 2 * H).reshape(-1, H), "reshape (reshape)"),
     "every other row": (lambda h, p: torch.cat([h[::2], h[1::2]]), "changes the number of rows"),
 }
