@@ -9,11 +9,11 @@ rows alone.
 A token dimension is one whose size involves the token count's symbol. A call that
 reads rows must read and make tensors with exactly one, of the row count's size: a
 result without one reduced the rows, with two paired them, of another size selected,
-shifted or folded them. What those checks cannot see (along which dimension an op works, what a shape
-argument spans, what a product contracts) each op's rule decides from its arguments
-bound to its schema or signature (:mod:`.row_rules`). The analysis is a list of what is
-proven row-local: an op without a rule is refused with its name, since it may shift,
-convolve or reduce rows in ways no structural check sees. Opaque ops that work on each
+shifted or folded them. What those checks cannot see (along which dimension an op
+works, what a shape argument spans, what a product contracts) each op's rule decides
+from its arguments bound to its schema or signature (:mod:`.row_rules`). The analysis
+is a list of what is proven row-local: an op without a rule is refused with its name,
+since it may shift, convolve or reduce rows in ways no structural check sees. Opaque ops that work on each
 row alone (a fused per-token kernel) are declared with :func:`roles.declare_row_local`;
 splitting ops are checked by the caller's rules, not here.
 """
