@@ -1,11 +1,21 @@
-"""Backend options (SPEC §5, §6, §8): parsing, validation and capture-size schedules."""
+"""Backend options: parsing, validation and capture-size schedules.
+
+Every option is checked here, when the config is made, before anything is traced,
+compiled or allocated: a bad value raises ``ValueError`` naming the option. Options
+that a switch turns off are logged once as a note (:func:`ReplayConfig.notes`);
+docs/configuration.md lists each such pair and why it is a note, not an error.
+"""
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+log = logging.getLogger("replay_backend")
 
 CUDAGRAPH_MODES = ("piecewise", "none")
 COMPILERS = ("inductor", "eager")
@@ -13,17 +23,60 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 # Dump directory when the option is not given: turns dumps on without touching code.
 DUMP_ENV_VAR = "DSV41_REPLAY_DUMP"
 
+# The most tokens one step may hold (max_num_batched_tokens, and so every capture size
+# and the trim threshold). A runner sizes a step's metadata for it up front (about 7
+# int64 per token, step_metadata.metadata_capacity) and each graph's static buffers
+# for its size; past 2**20 tokens one bf16 activation of a 4096-wide model alone is
+# 8 GiB, so a larger number is a typo that would otherwise surface as an allocation
+# of terabytes.
+MAX_NUM_BATCHED_TOKENS = 2 ** 20
+# The most requests one step may hold: each brings at least one token.
+MAX_NUM_SEQS = MAX_NUM_BATCHED_TOKENS
+_TOKENS_WHY = "MAX_NUM_BATCHED_TOKENS: a step's metadata and graph buffers are sized for its tokens"
+_SEQS_WHY = "MAX_NUM_SEQS: each of a step's requests brings at least one token"
+# The keys whose values are lists (a set is taken too: the list is sorted and deduped).
+LIST_OPTIONS = ("cudagraph_capture_sizes", "decoder_replay_cudagraph_capture_sizes", "splitting_ops")
+
+
+def is_int(val) -> bool:
+    """An integer of any kind (numpy's too), not a bool, a float or a string."""
+    if isinstance(val, bool):
+        return False
+    try:
+        operator.index(val)
+    except TypeError:
+        return False
+    return True
+
+
+def check_size(name: str, val, lo: int = 1, hi: int | None = None, why: str = "") -> int:
+    """``val`` as an int in ``[lo, hi]``, else a ValueError naming ``name``, the value
+    and the limit (and ``why`` that limit): for a size a caller gives, checked where
+    it is given, before anything is allocated from it."""
+    if not is_int(val):
+        raise ValueError(f"{name} must be an integer, got {type(val).__name__} {val!r}")
+    val = operator.index(val)
+    if val < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {val}")
+    if hi is not None and val > hi:
+        raise ValueError(f"{name}={val} is above the limit of {hi}" + (f" ({why})" if why else ""))
+    return val
+
 
 def default_capture_sizes(max_size: int) -> list[int]:
     """The published PIECEWISE schedule: 1, 2, 4, then multiples of 8 up to 256, then of
     16, up to ``max_size`` (which is always included)."""
+    max_size = check_size("max_size", max_size, hi=MAX_NUM_BATCHED_TOKENS, why=_TOKENS_WHY)
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max_size + 1, 16)]
     return sorted({s for s in sizes if s <= max_size} | {max_size})
 
 
 def default_replay_capture_sizes(window: int, max_cudagraph_capture_size: int,
                                  max_num_seqs: int) -> list[int]:
-    """SPEC §6: step W up to 16*W, then 1/8 of each power-of-two interval, up to the bound."""
+    """Step W up to 16*W, then 1/8 of each power-of-two interval, up to the bound."""
+    window = check_size("window", window)
+    check_size("max_cudagraph_capture_size", max_cudagraph_capture_size)
+    check_size("max_num_seqs", max_num_seqs)
     bound = min(max_cudagraph_capture_size, max_num_seqs * window)
     sizes, s = [], window
     while s < bound:
@@ -38,6 +91,30 @@ def padded_size(sizes: list[int] | tuple[int, ...], n: int) -> int | None:
     step path keeps its lists sorted, since sorting 80 sizes per step is host time."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
+
+
+def _as_list(key: str, val) -> tuple:
+    """A list option's value as a tuple: a list, tuple, set or range (a set is fine:
+    the sizes are sorted and deduped anyway); a comma-separated string for
+    splitting_ops. A dict is refused, not taken as its keys, and so is a single value."""
+    if key == "splitting_ops" and isinstance(val, str):
+        return tuple(v for v in val.split(",") if v)
+    if isinstance(val, (list, tuple, set, frozenset, range)):
+        return tuple(val)
+    example = "['a::b', 'c::d']" if key == "splitting_ops" else "[1, 2, 4, 8]"
+    raise ValueError(f"option {key} must be a list (e.g. {example}), got {type(val).__name__} {val!r}")
+
+
+_NOTED: set[tuple] = set()
+
+
+def _log_once(config: "ReplayConfig", note: str) -> None:
+    """Log ``note`` once per config (equal configs are one): a config is made again
+    for each graph of a compile, and its notes need saying once."""
+    key = (config, note)
+    if key not in _NOTED:
+        _NOTED.add(key)
+        log.warning("%s", note)
 
 
 @dataclass(frozen=True)
@@ -62,51 +139,72 @@ class ReplayConfig:
     debug_check_addresses: bool = False  # check input addresses on every replay, not only the first
     debug_dump_path: str | None = None
     inductor_mode: str | None = field(default=None, repr=False)
+    # The options the caller gave (from_options), for notes on options a switch makes moot.
+    _given: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, mode: str | None = None) -> "ReplayConfig":
-        if mode not in MODES:
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(
+                f"dsv41_replay options must be a dict of option names to values, got {type(options).__name__} "
+                f"{options!r}; e.g. options={{'compiler': 'eager', 'max_num_batched_tokens': 8192}}")
+        if mode is not None and mode not in MODES:
             raise ValueError(f"mode={mode!r} is not supported; choose one of {[m for m in MODES if m]}")
         options = dict(options or {})
-        names = {f.name for f in dataclasses.fields(cls) if f.name != "inductor_mode"}
+        bad_keys = [k for k in options if not isinstance(k, str)]
+        if bad_keys:
+            raise ValueError(f"dsv41_replay option names must be strings, got {bad_keys[0]!r}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("inductor_mode", "_given")}
         unknown = sorted(set(options) - names)
         if unknown:
             raise ValueError(f"unknown dsv41_replay option(s) {unknown}; known options: {sorted(names)}")
-        for key in ("cudagraph_capture_sizes", "decoder_replay_cudagraph_capture_sizes", "splitting_ops"):
+        for key in LIST_OPTIONS:
             if options.get(key) is not None:
-                val = options[key]
-                if isinstance(val, (str, bytes)) or not hasattr(val, "__iter__"):
-                    if key == "splitting_ops" and isinstance(val, str):
-                        val = [v for v in val.split(",") if v]
-                    else:
-                        raise ValueError(f"option {key} must be a list, got {val!r}")
-                options[key] = tuple(val)
+                options[key] = _as_list(key, options[key])
+        given = frozenset(options)
         if options.get("debug_dump_path") is None and os.environ.get(DUMP_ENV_VAR):
             options["debug_dump_path"] = os.environ[DUMP_ENV_VAR]
+        if mode == "reduce-overhead" and options.get("cudagraph_mode") == "none":
+            raise ValueError("mode='reduce-overhead' asks for CUDA graphs and option cudagraph_mode='none' turns "
+                             "them off: drop one of the two")
+        if mode in ("max-autotune", "max-autotune-no-cudagraphs") and options.get("compiler") == "eager":
+            raise ValueError(f"mode={mode!r} autotunes Inductor's pieces and option compiler='eager' compiles "
+                             "none with Inductor: drop one of the two")
         inductor_mode = mode if mode in ("max-autotune", "max-autotune-no-cudagraphs") else None
-        return cls(**options, inductor_mode=inductor_mode)
+        return cls(**options, inductor_mode=inductor_mode, _given=given)
 
     def __post_init__(self) -> None:
         def bad(key, msg):
             raise ValueError(f"option {key}: {msg}")
 
-        def check_int(key, val, lo=1):
-            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-                bad(key, f"must be an integer >= {lo}, got {val!r}")
+        def check_int(key, val, hi=MAX_NUM_BATCHED_TOKENS, why=_TOKENS_WHY, what=""):
+            if not is_int(val):
+                bad(key, f"{what}must be an integer, got {type(val).__name__} {val!r}")
+            val = operator.index(val)
+            if val < 1:
+                bad(key, f"{what}must be an integer >= 1, got {val}")
+            if val > hi:
+                bad(key, f"{what}{val} is above the limit of {hi} ({why})")
+            return val
 
         for key in ("cudagraph_decoder_replay", "decoder_replay", "trim_io_graphs", "direct_dispatch",
                     "metadata_in_place", "strict", "debug_check_addresses"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, f"must be true or false, got {getattr(self, key)!r}")
-        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+        if not isinstance(self.cudagraph_mode, str) or self.cudagraph_mode not in CUDAGRAPH_MODES:
             bad("cudagraph_mode", f"must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
-        if self.compiler not in COMPILERS:
+        if not isinstance(self.compiler, str) or self.compiler not in COMPILERS:
             bad("compiler", f"must be one of {COMPILERS}, got {self.compiler!r}")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "decoder_replay_trim_threshold"):
-            check_int(key, getattr(self, key))
+        # Limits: MAX_NUM_SEQS and MAX_NUM_BATCHED_TOKENS (their comments say why).
+        limits = {"max_num_seqs": (MAX_NUM_SEQS, _SEQS_WHY),
+                  "max_num_batched_tokens": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY),
+                  "decoder_replay_trim_threshold": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY)}
+        for key, (hi, why) in limits.items():
+            object.__setattr__(self, key, check_int(key, getattr(self, key), hi, why))
         if self.max_cudagraph_capture_size is not None:
-            check_int("max_cudagraph_capture_size", self.max_cudagraph_capture_size)
+            object.__setattr__(self, "max_cudagraph_capture_size",
+                               check_int("max_cudagraph_capture_size", self.max_cudagraph_capture_size))
             if self.max_cudagraph_capture_size > self.max_num_batched_tokens:
                 bad("max_cudagraph_capture_size", f"{self.max_cudagraph_capture_size} exceeds "
                     f"max_num_batched_tokens={self.max_num_batched_tokens}")
@@ -114,10 +212,11 @@ class ReplayConfig:
             sizes = getattr(self, key)
             if sizes is None:
                 continue
+            sizes = _as_list(key, sizes)
             if not sizes:
                 bad(key, "must not be empty")
+            sizes = [check_int(key, s, what="size ") for s in sizes]
             for s in sizes:
-                check_int(key, s)
                 if s > self.max_num_batched_tokens:
                     bad(key, f"size {s} exceeds max_num_batched_tokens={self.max_num_batched_tokens}")
             object.__setattr__(self, key, tuple(sorted(set(sizes))))
@@ -130,9 +229,73 @@ class ReplayConfig:
             if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
                 bad("debug_dump_path", f"must be a directory path, got {path!r}")
             object.__setattr__(self, "debug_dump_path", os.fspath(path))
-        if self.splitting_ops is not None and (
-                not self.splitting_ops or not all(isinstance(o, str) and "::" in o for o in self.splitting_ops)):
-            bad("splitting_ops", f"must be a non-empty list of 'namespace::op' names, got {self.splitting_ops!r}")
+        if self.splitting_ops is not None:
+            ops = _as_list("splitting_ops", self.splitting_ops)
+            if not ops or not all(isinstance(o, str) and "::" in o for o in ops):
+                bad("splitting_ops", f"must be a non-empty list of 'namespace::op' names, got {self.splitting_ops!r}")
+            object.__setattr__(self, "splitting_ops", ops)
+        if self.inductor_mode not in (None, "max-autotune", "max-autotune-no-cudagraphs"):
+            raise ValueError(f"inductor_mode={self.inductor_mode!r}: set it through mode=")
+        if self._given is not None:
+            object.__setattr__(self, "_given", frozenset(self._given))
+        for note in self.notes():
+            _log_once(self, note)
+
+    def given(self) -> frozenset[str]:
+        """The options set by the caller: the keys passed to :meth:`from_options`, or,
+        for a config built directly, the fields that differ from their defaults."""
+        if self._given is not None:
+            return self._given
+        return frozenset(f.name for f in dataclasses.fields(self)
+                         if f.init and f.name not in ("inductor_mode", "_given")
+                         and getattr(self, f.name) != f.default)
+
+    def notes(self) -> list[str]:
+        """Options the caller set that a switch makes moot: one line each, naming the
+        option and the switch (docs/configuration.md, Options a switch turns off). They
+        are notes, not errors: each switch is a kill switch, meant to be flipped alone
+        while every other option stays as it was (docs/debugging.md), and the benchmark
+        runs one set of options under every mode."""
+        given = self.given()
+        # The switches that are off, each with what that turns off.
+        no_graphs = ("cudagraph_mode='none'", "every step is eager: no graph is captured") \
+            if not self.graphs_enabled else None
+        no_region = ("decoder_replay=False", "the replay layers stay in the main graph: nothing trims") \
+            if not self.decoder_replay else None
+        no_replay_graphs = ("cudagraph_decoder_replay=False", "no replay graph is captured and PIECEWISE "
+                            "steps never trim") if not self.cudagraph_decoder_replay else None
+        replay = (no_graphs, no_region, no_replay_graphs)
+        explicit_sizes = ("decoder_replay_cudagraph_capture_sizes set", "max_num_seqs only bounds the "
+                          "default replay sizes") if self.decoder_replay_cudagraph_capture_sizes else None
+        # option: (whether its value asks for something, the switches that deny it)
+        asks = {
+            "cudagraph_capture_sizes": (True, (no_graphs,)),
+            "max_cudagraph_capture_size": (True, (no_graphs,)),
+            "debug_check_addresses": (self.debug_check_addresses, (no_graphs,)),
+            "cudagraph_decoder_replay": (self.cudagraph_decoder_replay, (no_graphs, no_region)),
+            "decoder_replay_cudagraph_capture_sizes": (True, replay),
+            "decoder_replay_trim_threshold": (True, replay),
+            "trim_io_graphs": (self.trim_io_graphs, replay),
+            "max_num_seqs": (True, (*replay, explicit_sizes)),
+        }
+        notes = []
+        for key, (asking, switches) in asks.items():
+            off = next((sw for sw in switches if sw is not None), None)
+            if key in given and asking and off is not None:
+                notes.append(f"dsv41_replay: option {key}={getattr(self, key)!r} has no effect with {off[0]} "
+                             f"({off[1]})")
+        if "metadata_in_place" in given and self.metadata_in_place:
+            no_io = ("trim_io_graphs=False", "the trim op's gathers stay eager ops") if not self.trim_io_graphs \
+                else None
+            off = next((sw for sw in (*replay, no_io) if sw is not None), None)
+            if off is not None:
+                notes.append(f"dsv41_replay: option metadata_in_place=True: no trim graph reads the metadata in "
+                             f"place with {off[0]} ({off[1]}); served steps' metadata still shares one buffer")
+        if self.inductor_mode == "max-autotune-no-cudagraphs" and self.graphs_enabled:
+            notes.append("dsv41_replay: mode='max-autotune-no-cudagraphs' autotunes the pieces and keeps "
+                         "Inductor's own graphs off; this backend's graphs follow option "
+                         "cudagraph_mode='piecewise' (set cudagraph_mode='none' for none)")
+        return notes
 
     # ---- derived --------------------------------------------------------------------
     @property
@@ -156,6 +319,7 @@ class ReplayConfig:
 
     def check_window(self, window: int) -> None:
         """Validation that needs the model's window (known once the graph is traced)."""
+        window = check_size("the replay region's window (replay_begin's window=)", window)
         if self.decoder_replay_trim_threshold <= window:
             raise ValueError(
                 f"option decoder_replay_trim_threshold: {self.decoder_replay_trim_threshold} must exceed "
@@ -171,4 +335,5 @@ class ReplayConfig:
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("inductor_mode")
+        d.pop("_given")
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}

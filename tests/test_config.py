@@ -1,14 +1,17 @@
-"""Backend options and capture-size schedules (SPEC §5, §6, §8)."""
+"""Backend options and capture-size schedules."""
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 
 import pytest
 import torch
 from torch import nn
 
-from replay_backend.config import (ReplayConfig, default_capture_sizes, default_replay_capture_sizes,
-                                   padded_size)
+from replay_backend import config as config_mod
+from replay_backend.config import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, ReplayConfig, check_size,
+                                   default_capture_sizes, default_replay_capture_sizes, padded_size)
+from replay_backend.kv_cache import MAX_MODEL_LEN, MAX_NUM_SLOTS, CacheLayout
 from replay_backend.reference.attention_ops import ATTENTION_OPS
 
 
@@ -147,6 +150,251 @@ def test_switches_turn_schedules_off():
     cfg = ReplayConfig.from_options({"cudagraph_decoder_replay": False,
                                      "decoder_replay_cudagraph_capture_sizes": [16, 32]})
     assert cfg.replay_capture_sizes(16) == []
+
+
+# --------------------------------------------------------------------------------------
+# Sizes against their limits, where they are given
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, match", [
+    ({"max_num_batched_tokens": 2 ** 40}, r"option max_num_batched_tokens: 1099511627776 is above the limit of 1048576"),
+    ({"max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS + 1}, r"max_num_batched_tokens: 1048577 is above the limit"),
+    ({"max_num_seqs": 2 ** 40}, r"option max_num_seqs: 1099511627776 is above the limit of 1048576"),
+    ({"decoder_replay_trim_threshold": 2 ** 40}, r"option decoder_replay_trim_threshold: 1099511627776 is above"),
+    ({"cudagraph_capture_sizes": [8, 2 ** 40]}, r"option cudagraph_capture_sizes: size 1099511627776 is above"),
+    ({"max_cudagraph_capture_size": 2 ** 40}, r"option max_cudagraph_capture_size: 1099511627776 is above"),
+    ({"decoder_replay_cudagraph_capture_sizes": [2 ** 40]}, r"decoder_replay_cudagraph_capture_sizes: size 1099511627776"),
+])
+def test_sizes_past_their_limits_are_refused_naming_the_option(options, match):
+    with pytest.raises(ValueError, match=match):
+        ReplayConfig.from_options(options)
+
+
+def test_sizes_at_their_limits_are_taken():
+    cfg = ReplayConfig.from_options({"max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "max_num_seqs": MAX_NUM_SEQS})
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2 ** 20, 2 ** 20)
+    np = pytest.importorskip("numpy")  # numpy's integers are integers
+    cfg = ReplayConfig.from_options({"max_num_seqs": np.int64(8), "cudagraph_capture_sizes": [np.int32(16), 8]})
+    assert cfg.max_num_seqs == 8 and type(cfg.max_num_seqs) is int and cfg.cudagraph_capture_sizes == (8, 16)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_model_len=2 ** 40, num_blocks=4), r"CacheLayout.max_model_len=1099511627776 is above the limit of 16777216"),
+    (dict(max_model_len=MAX_MODEL_LEN + 2, num_blocks=1), r"max_model_len=16777218 is above the limit"),
+    (dict(max_model_len=131072, num_blocks=20000),
+     r"max_model_len=131072 x num_blocks=20000 .* = 2621440000 slots and the pad slot, above the limit of 2147483647"),
+    (dict(max_model_len=MAX_MODEL_LEN, num_blocks=128), r"2147483648 slots and the pad slot, above the limit"),
+    (dict(max_model_len=64.0, num_blocks=2), r"CacheLayout.max_model_len must be an integer, got float 64.0"),
+    (dict(max_model_len="64", num_blocks=2), r"CacheLayout.max_model_len must be an integer, got str '64'"),
+    (dict(max_model_len=64, num_blocks=True), r"CacheLayout.num_blocks must be an integer, got bool True"),
+    (dict(max_model_len=64, num_blocks=-1), r"CacheLayout.num_blocks must be positive"),
+])
+def test_cache_layout_refuses_sizes_past_its_limits(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CacheLayout(**kw)
+
+
+def test_cache_layout_at_its_limits():
+    assert CacheLayout(MAX_MODEL_LEN, 127).num_slots + 1 <= MAX_NUM_SLOTS
+    with pytest.raises(ValueError, match=r"block 3 is outside \[0, num_blocks=3\)"):
+        CacheLayout(64, 3).base(3)
+
+
+def test_a_runner_refuses_a_huge_cache_before_allocating_it(model):
+    """The runner builds its layout first: 2**40 positions fail there, naming the
+    field, not in the allocator asking for terabytes."""
+    from replay_backend.reference.runner import StepRunner
+
+    with pytest.raises(ValueError, match=r"max_model_len=1099511627776 is above the limit"):
+        StepRunner(model, max_model_len=2 ** 40)
+    with pytest.raises(ValueError, match=r"num_blocks=100000 .* above the limit of 2147483647"):
+        StepRunner(model, max_model_len=2 ** 16, max_num_seqs=100_000)
+
+
+def test_check_size_names_the_value_and_the_limit():
+    assert check_size("n", 5, hi=8) == 5
+    with pytest.raises(ValueError, match=r"^n=9 is above the limit of 8 \(why\)$"):
+        check_size("n", 9, hi=8, why="why")
+    with pytest.raises(ValueError, match=r"n must be an integer, got float 2.0"):
+        check_size("n", 2.0)
+    with pytest.raises(ValueError, match=r"n must be >= 1, got 0"):
+        check_size("n", 0)
+
+
+# --------------------------------------------------------------------------------------
+# Option and argument types
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options", ["compiler=eager", [("compiler", "eager")], 5, b"x"])
+def test_options_must_be_a_mapping(options):
+    with pytest.raises(ValueError, match=r"options must be a dict of option names to values, got .*"
+                                         r"e\.g\. options=\{'compiler': 'eager'"):
+        ReplayConfig.from_options(options)
+
+
+def test_option_names_must_be_strings():
+    with pytest.raises(ValueError, match="option names must be strings, got 1"):
+        ReplayConfig.from_options({1: 2, "compiler": "eager"})
+
+
+@pytest.mark.parametrize("key", ["cudagraph_capture_sizes", "decoder_replay_cudagraph_capture_sizes"])
+@pytest.mark.parametrize("value, match", [
+    ({8: 1, 16: 2}, r"must be a list \(e\.g\. \[1, 2, 4, 8\]\), got dict"),
+    ([8.0, 16], r"size must be an integer, got float 8.0"),
+    (["8"], r"size must be an integer, got str '8'"),
+    ([True, 16], r"size must be an integer, got bool True"),
+    ([16, None], r"size must be an integer, got NoneType"),
+    (16, r"must be a list .*got int 16"),
+    ("8,16", r"must be a list .*got str '8,16'"),
+])
+def test_size_lists_refuse_what_is_not_a_list_of_integers(key, value, match):
+    with pytest.raises(ValueError, match=f"option {key}.*{match}"):
+        ReplayConfig.from_options({key: value})
+    with pytest.raises(ValueError, match=f"option {key}"):  # built directly, too
+        ReplayConfig(**{key: value})
+
+
+def test_size_lists_take_sets_and_ranges_sorted():
+    cfg = ReplayConfig.from_options({"cudagraph_capture_sizes": {64, 8, 16},
+                                     "decoder_replay_cudagraph_capture_sizes": range(16, 49, 16),
+                                     "decoder_replay_trim_threshold": 24})
+    assert cfg.cudagraph_capture_sizes == (8, 16, 64) and cfg.decoder_replay_cudagraph_capture_sizes == (16, 32, 48)
+    assert ReplayConfig.from_options({"splitting_ops": {"a::b"}}).splitting_ops == ("a::b",)
+    with pytest.raises(ValueError, match="option splitting_ops must be a list"):
+        ReplayConfig.from_options({"splitting_ops": {"a::b": 1}})
+
+
+@pytest.mark.parametrize("mode, options, match", [
+    ("reduce-overhead", {"cudagraph_mode": "none"}, r"mode='reduce-overhead' .* cudagraph_mode='none'"),
+    ("max-autotune", {"compiler": "eager"}, r"mode='max-autotune' .* compiler='eager'"),
+    ("max-autotune-no-cudagraphs", {"compiler": "eager"}, r"mode='max-autotune-no-cudagraphs' .* compiler='eager'"),
+])
+def test_a_mode_that_contradicts_an_option_raises_naming_both(mode, options, match):
+    with pytest.raises(ValueError, match=match):
+        ReplayConfig.from_options(options, mode)
+
+
+# --------------------------------------------------------------------------------------
+# Options a switch turns off: a note, logged once per config
+# --------------------------------------------------------------------------------------
+NOTED = [
+    ({"cudagraph_mode": "none", "cudagraph_capture_sizes": [8, 16]}, "cudagraph_capture_sizes", "cudagraph_mode"),
+    ({"cudagraph_mode": "none", "max_cudagraph_capture_size": 64}, "max_cudagraph_capture_size", "cudagraph_mode"),
+    ({"cudagraph_mode": "none", "debug_check_addresses": True}, "debug_check_addresses", "cudagraph_mode"),
+    ({"cudagraph_mode": "none", "cudagraph_decoder_replay": True}, "cudagraph_decoder_replay", "cudagraph_mode"),
+    ({"decoder_replay": False, "cudagraph_decoder_replay": True}, "cudagraph_decoder_replay", "decoder_replay"),
+    ({"cudagraph_mode": "none", "decoder_replay_cudagraph_capture_sizes": [16]},
+     "decoder_replay_cudagraph_capture_sizes", "cudagraph_mode"),
+    ({"decoder_replay": False, "decoder_replay_cudagraph_capture_sizes": [16]},
+     "decoder_replay_cudagraph_capture_sizes", "decoder_replay"),
+    ({"cudagraph_decoder_replay": False, "decoder_replay_cudagraph_capture_sizes": [16]},
+     "decoder_replay_cudagraph_capture_sizes", "cudagraph_decoder_replay"),
+    ({"decoder_replay": False, "decoder_replay_trim_threshold": 500}, "decoder_replay_trim_threshold",
+     "decoder_replay"),
+    ({"decoder_replay": False, "decoder_replay_trim_threshold": 768}, "decoder_replay_trim_threshold",
+     "decoder_replay"),  # given, even at its default
+    ({"cudagraph_decoder_replay": False, "decoder_replay_trim_threshold": 500}, "decoder_replay_trim_threshold",
+     "cudagraph_decoder_replay"),
+    ({"cudagraph_mode": "none", "decoder_replay_trim_threshold": 500}, "decoder_replay_trim_threshold",
+     "cudagraph_mode"),
+    ({"decoder_replay": False, "trim_io_graphs": True}, "trim_io_graphs", "decoder_replay"),
+    ({"cudagraph_mode": "none", "trim_io_graphs": True}, "trim_io_graphs", "cudagraph_mode"),
+    ({"decoder_replay": False, "metadata_in_place": True}, "metadata_in_place", "decoder_replay"),
+    ({"trim_io_graphs": False, "metadata_in_place": True}, "metadata_in_place", "trim_io_graphs"),
+    ({"decoder_replay": False, "max_num_seqs": 64}, "max_num_seqs", "decoder_replay"),
+    ({"decoder_replay_cudagraph_capture_sizes": [16, 32], "max_num_seqs": 64}, "max_num_seqs",
+     "decoder_replay_cudagraph_capture_sizes"),
+]
+
+
+@pytest.mark.parametrize("options, key, switch", NOTED, ids=[f"{k}-{s}-{i}" for i, (_, k, s) in enumerate(NOTED)])
+def test_an_option_a_switch_turns_off_is_noted_once_naming_both(options, key, switch, caplog, monkeypatch):
+    monkeypatch.setattr(config_mod, "_NOTED", set())
+    with caplog.at_level(logging.WARNING, logger="replay_backend"):
+        ReplayConfig.from_options(options)
+        ReplayConfig.from_options(dict(options))  # the same config again: noted once
+    notes = [r.getMessage() for r in caplog.records if r.name == "replay_backend"]
+    assert len(notes) == 1, notes
+    assert f"option {key}" in notes[0] and switch in notes[0], notes[0]
+    assert ReplayConfig.from_options(options).notes() == [notes[0]]
+
+
+def test_a_config_built_directly_notes_what_differs_from_the_defaults(caplog, monkeypatch):
+    monkeypatch.setattr(config_mod, "_NOTED", set())
+    with caplog.at_level(logging.WARNING, logger="replay_backend"):
+        ReplayConfig(decoder_replay=False, decoder_replay_trim_threshold=500)
+        ReplayConfig(decoder_replay=False, decoder_replay_trim_threshold=600)  # another config: noted too
+    notes = [r.getMessage() for r in caplog.records if r.name == "replay_backend"]
+    assert len(notes) == 2 and all("decoder_replay_trim_threshold" in n and "decoder_replay=False" in n
+                                   for n in notes), notes
+
+
+@pytest.mark.parametrize("options, mode", [
+    ({}, None),
+    ({"cudagraph_mode": "none", "decoder_replay": False}, None),  # the bench's "off" mode
+    ({"cudagraph_mode": "none", "cudagraph_decoder_replay": False}, None),  # "parent"
+    ({"cudagraph_decoder_replay": False}, None),  # "piecewise"
+    ({"decoder_replay": False, "trim_io_graphs": False, "metadata_in_place": False}, None),  # agrees with it
+    ({"cudagraph_capture_sizes": [8, 16], "max_cudagraph_capture_size": 64}, None),
+    ({"cudagraph_mode": "none"}, "max-autotune"),
+])
+def test_options_that_agree_with_the_switches_are_not_noted(options, mode, caplog, monkeypatch):
+    monkeypatch.setattr(config_mod, "_NOTED", set())
+    with caplog.at_level(logging.WARNING, logger="replay_backend"):
+        assert ReplayConfig.from_options(options, mode).notes() == []
+    assert not caplog.records
+
+
+def test_mode_without_cudagraphs_notes_that_this_backends_graphs_stay_on(caplog, monkeypatch):
+    monkeypatch.setattr(config_mod, "_NOTED", set())
+    with caplog.at_level(logging.WARNING, logger="replay_backend"):
+        ReplayConfig.from_options({}, "max-autotune-no-cudagraphs")
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert "max-autotune-no-cudagraphs" in note and "cudagraph_mode" in note
+    assert ReplayConfig.from_options({"cudagraph_mode": "none"}, "max-autotune-no-cudagraphs").notes() == []
+
+
+def test_config_fields_for_the_notes_stay_internal():
+    cfg = ReplayConfig.from_options({"decoder_replay": False})
+    assert "_given" not in cfg.as_dict() and cfg == ReplayConfig(decoder_replay=False)
+    with pytest.raises(ValueError, match="unknown dsv41_replay option"):
+        ReplayConfig.from_options({"_given": frozenset()})
+
+
+# --------------------------------------------------------------------------------------
+# The replay boundary's window
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [0, -16, 2.0, True, "16", None, 2 ** 40])
+def test_replay_begin_refuses_a_bad_window_naming_it(window):
+    from replay_backend.tracing.boundary import replay_begin
+
+    with pytest.raises(ValueError, match=r"replay_begin: window must be the model's sliding window, an int in "
+                                         r"\[1, 16777216\]"):
+        replay_begin(torch.zeros(4, 2), window=window)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: default_replay_capture_sizes(0, 64, 4), r"^window must be >= 1, got 0$"),
+    (lambda: default_replay_capture_sizes(16.0, 64, 4), r"^window must be an integer, got float 16.0$"),
+    (lambda: default_replay_capture_sizes(16, 0, 4), r"^max_cudagraph_capture_size must be >= 1"),
+    (lambda: default_replay_capture_sizes(16, 64, -1), r"^max_num_seqs must be >= 1"),
+    (lambda: default_capture_sizes(0), r"^max_size must be >= 1"),
+    (lambda: ReplayConfig().check_window(0), r"replay region's window .* must be >= 1, got 0"),
+    (lambda: ReplayConfig().replay_capture_sizes(-16), r"^window must be >= 1, got -16"),
+])
+def test_schedules_refuse_a_bad_window_or_bound(call, match):
+    """A window of 0 stepped the replay schedule by 2**-4 (a float) towards its bound."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_replay_begin_needs_tensors():
+    from replay_backend.tracing.boundary import replay_begin
+
+    with pytest.raises(ValueError, match="replay_begin: needs the region's row-indexed tensors"):
+        replay_begin(window=16)
+    with pytest.raises(ValueError, match=r"got \['Tensor', 'list'\]"):
+        replay_begin(torch.zeros(4, 2), [1], window=16)
+    (out,) = replay_begin(torch.ones(4, 2), window=16)  # outside a step: the identity
+    assert torch.equal(out, torch.ones(4, 2))
 
 
 # --------------------------------------------------------------------------------------

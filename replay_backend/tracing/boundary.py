@@ -12,7 +12,7 @@ region's results leave through ``replay_end``, again one row per token.
 
 The markers are custom ops so that Dynamo keeps them in the traced graph, where the
 backend's pass finds the region and replaces it with the trim-and-redispatch op. In
-an uncompiled run they implement the eager behaviours of SPEC §4:
+an uncompiled run they implement the eager behaviours:
 
 * ``off``: identity (the replay layers run on the whole batch);
 * ``parent``: ``replay_begin`` gathers the replay rows and points attention at the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import torch_compat
+from ..kv_cache import MAX_MODEL_LEN
 from ..forward_context import get_forward_context, has_forward_context
 from ..passes.roles import declare_row_local
 
@@ -78,9 +79,17 @@ declare_row_local(BEGIN_OP, END_OP)
 def replay_begin(*tensors: torch.Tensor, window: int) -> tuple[torch.Tensor, ...]:
     """Mark the entry of the replay region; returns the region's row-indexed inputs.
 
-    ``window`` is the model's sliding window W: the backend needs it for the replay
-    capture sizes and to validate the trim threshold.
+    ``window`` is the model's sliding window W, an int in ``[1, MAX_MODEL_LEN]``: the
+    backend needs it for the replay capture sizes and to validate the trim threshold.
+    It is checked here, so that a bad one names itself instead of surfacing as an
+    empty replay batch while graphs are captured.
     """
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_MODEL_LEN:
+        raise ValueError(f"replay_begin: window must be the model's sliding window, an int in [1, {MAX_MODEL_LEN}] "
+                         f"(MAX_MODEL_LEN), got {type(window).__name__} {window!r}")
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(f"replay_begin: needs the region's row-indexed tensors, got "
+                         f"{[type(t).__name__ for t in tensors]}")
     return tuple(torch.ops.dsv41_replay.replay_begin(list(tensors), window))
 
 
