@@ -1,4 +1,4 @@
-"""``replay-backend verify`` and its JSON contract (SPEC §8)."""
+"""``replay-backend verify`` and its JSON contract."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,10 @@ import re
 
 import pytest
 
+from replay_backend import RequestChunk
+from replay_backend.config import ReplayConfig
 from replay_backend.reference import cli
-from replay_backend.reference.verify import VerifyResult
+from replay_backend.reference.verify import VerifyResult, check_tolerance, verify_step
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
@@ -66,3 +68,44 @@ def test_inspect_refuses_a_threshold_within_the_window_before_tracing(capsys, mo
     assert err == ["replay-backend: error: option decoder_replay_trim_threshold: 128 must exceed the sliding "
                    "window W=128 (smaller graphs have nothing to trim)"], err
 
+
+
+@pytest.mark.parametrize("tolerance, match", [
+    ("-1", r"argument --tolerance: must be a finite number >= 0, got '-1'"),
+    ("nan", r"argument --tolerance: must be a finite number >= 0, got 'nan'"),
+    ("inf", r"argument --tolerance: must be a finite number >= 0, got 'inf'"),
+    ("-inf", r"argument --tolerance: must be a finite number >= 0"),
+    ("tight", r"argument --tolerance: expected a number, got 'tight'"),
+])
+def test_a_tolerance_that_cannot_agree_is_refused(tolerance, match, capsys, monkeypatch):
+    """A negative or nan tolerance would report MISMATCH at a max |d| of 0."""
+    monkeypatch.setattr(cli, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert cli.main(["verify", "--batch", "p:3", f"--tolerance={tolerance}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("replay-backend: error: "), err
+    assert re.search(match, err[0]), err[0]
+
+
+def test_a_tolerance_of_zero_is_a_tolerance(monkeypatch, capsys):
+    good = VerifyResult(True, 3, 4, "piecewise", False, 3, 4, True, 0.0, 0.0, 0.0)
+    seen = {}
+    monkeypatch.setattr(cli, "verify_step", lambda *a, **k: seen.update(k) or good)
+    monkeypatch.setattr(cli, "build_model", lambda *a, **k: None)
+    assert cli.main(["verify", "--batch", "p:3", "--tolerance", "0"]) == 0
+    assert seen["tolerance"] == 0.0 and "OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tolerance", [float("nan"), -1e-3, float("inf"), "1e-3", True])
+def test_verify_step_refuses_a_bad_tolerance_before_running(tolerance):
+    with pytest.raises(ValueError, match=r"tolerance must be a finite number >= 0"):
+        verify_step(None, [RequestChunk("a", 3, 3)], ReplayConfig(), tolerance=tolerance)
+    assert check_tolerance(0) == 0.0 and check_tolerance(None) is None and check_tolerance(2e-3) == 2e-3
+
+
+def test_verify_refuses_a_step_whose_caches_overflow_before_building_a_model(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    spec = ",".join(["d:1/1000000"] * 2200)
+    assert cli.main(["verify", "--batch", spec, "--max-model-len", "1000000"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("replay-backend: error: --batch: 2200 requests of up to 1000000 positions each: "
+                           "CacheLayout: max_model_len=1000000 x num_blocks=2200"), line

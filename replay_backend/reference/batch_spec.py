@@ -1,4 +1,4 @@
-"""The ``--batch`` mini-language of ``replay-backend verify`` (SPEC §8).
+"""The ``--batch`` mini-language of ``replay-backend verify`` and ``demo``.
 
 Comma-separated requests: ``p:Q/S`` a prefill chunk of Q tokens ending at sequence
 length S (``p:Q`` = ``p:Q/Q``), ``d:Q/S`` a decode of Q tokens at length S, ``k:Q/S`` a
@@ -10,6 +10,17 @@ from __future__ import annotations
 import re
 
 from ..batch import RequestChunk
+
+# The grammar as ``--batch --help`` prints it.
+GRAMMAR = """\
+--batch is one step, as comma-separated requests (1 <= Q <= S, the step's tokens
+the sum of the Q):
+  p:Q/S   a prefill chunk of Q tokens ending at sequence length S (S - Q cached
+          before it); p:Q is p:Q/Q, a whole prompt
+  d:Q/S   a decode of Q tokens at sequence length S (S is required)
+  k:Q/S   a prefill that keeps all rows (never trimmed; k:Q is k:Q/Q)
+  @F      optional suffix of any request: its replay floor (kv_start), F < S
+example: --batch 'd:1/700,p:250,p:60/260@100,k:140'"""
 
 _ITEM = re.compile(r"^([pdk]):(\d+)(?:/(\d+))?(?:@(\d+))?$")
 

@@ -1,11 +1,13 @@
-"""``replay-backend``: demo, verify, inspect and bench (SPEC §8)."""
+"""``replay-backend``: demo, verify, inspect and bench."""
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -13,14 +15,15 @@ import torch
 from .. import torch_compat
 from ..bench import run as bench
 from ..backend import ReplayBackend
-from .batch_spec import parse_batch_spec
-from .cli_options import parse_options
+from .batch_spec import GRAMMAR, parse_batch_spec
+from .cli_options import backend_options, model_config
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
-from ..config import ReplayConfig
+from ..config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, ReplayConfig
+from ..kv_cache import MAX_MODEL_LEN, CacheLayout
 from . import PRESETS, build_model, preset
 from ..plan import plan_of
 from .runner import StepRunner
-from .verify import verify_step
+from .verify import runner_sizes, verify_step
 
 DEFAULT_BATCH = "d:1/300,p:250,p:60/260,k:140"
 
@@ -42,22 +45,44 @@ def _timed(fn):
     return out, (time.perf_counter() - t0) * 1e3
 
 
+def _demo_options(opts: dict, device: str) -> dict:
+    """The CPU demo's defaults, where the given options leave room for them: plain FX
+    pieces (Inductor takes minutes on 40 layers) and three main graph sizes with a
+    threshold that makes the demo batch a trimming PIECEWISE step."""
+    if device != "cpu":
+        return opts
+    opts = dict(opts)
+    opts.setdefault("compiler", "eager")
+    graphs = opts.get("cudagraph_mode", "piecewise") != "none"
+    if graphs and "cudagraph_capture_sizes" not in opts and "max_cudagraph_capture_size" not in opts:
+        top = opts.get("max_num_batched_tokens", 16384)
+        sizes = [s for s in (128, 256, 512) if isinstance(top, int) and s <= top]
+        if sizes:
+            opts["cudagraph_capture_sizes"] = sizes
+    if graphs and opts.get("decoder_replay", True) is True and opts.get("cudagraph_decoder_replay", True) is True:
+        opts.setdefault("decoder_replay_trim_threshold", 256)
+    return opts
+
+
+def _check_layout(max_model_len: int, num_seqs: int, what: str) -> None:
+    """The cache a command will allocate, refused before any model is built."""
+    try:
+        CacheLayout(max_model_len, num_seqs)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
 def cmd_demo(args) -> int:
     device, name, dtype = _device_defaults(args)
     cfg = preset(name)
+    reqs = parse_batch_spec(args.batch)
+    opts = _demo_options(backend_options(args.option), device)
+    cfg_b = ReplayConfig.from_options(opts)
+    check_step(reqs, cfg_b, cfg.window, args.max_model_len)
+    _check_layout(args.max_model_len, len(reqs), f"--max-model-len {args.max_model_len} with {len(reqs)} requests")
     print(f"model   : DSv4.1-mini preset {name!r}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"window {cfg.window}, KV sources {list(cfg.kv_source_layer_ids)}, replay layers "
           f"{cfg.replay_layers.start}..{cfg.replay_layers.stop - 1}; {device}, {dtype}")
-    reqs = parse_batch_spec(args.batch)
-    opts = parse_options(args.option)
-    if device == "cpu":
-        # Keep the CPU demo quick: plain FX pieces (Inductor takes minutes on 40 layers)
-        # and three main graph sizes, so the demo batch is a trimming PIECEWISE step.
-        for key, val in (("compiler", "eager"), ("cudagraph_capture_sizes", [128, 256, 512]),
-                         ("decoder_replay_trim_threshold", 256)):
-            opts.setdefault(key, val)
-    cfg_b = ReplayConfig.from_options(opts)
-    check_step(reqs, cfg_b, cfg.window, args.max_model_len)
     model = build_model(cfg, device, dtype)
     kw = dict(max_num_seqs=len(reqs), max_model_len=args.max_model_len)
     runners = {"off": StepRunner(model, **kw), "parent": StepRunner(model, **kw),
@@ -113,8 +138,12 @@ def check_step(reqs, cfg: ReplayConfig, window: int, max_model_len: int) -> None
 
 def cmd_verify(args) -> int:
     reqs = parse_batch_spec(args.batch)
-    cfg = ReplayConfig.from_options(parse_options(args.option))
-    check_step(reqs, cfg, preset(_device_defaults(args)[1]).window, args.max_model_len)
+    cfg = ReplayConfig.from_options(backend_options(args.option))
+    window = preset(_device_defaults(args)[1]).window
+    check_step(reqs, cfg, window, args.max_model_len)
+    kw = runner_sizes(reqs, window, cfg)
+    _check_layout(kw["max_model_len"], kw["max_num_seqs"],
+                  f"--batch: {len(reqs)} requests of up to {kw['max_model_len']} positions each")
     model, device, name = _model_for(args)
     res = verify_step(model, reqs, cfg, capture=args.capture_all, tolerance=args.tolerance)
     if args.json:
@@ -129,10 +158,37 @@ def cmd_verify(args) -> int:
     return 0 if res.ok else 1
 
 
+def _check_dir(path: str, flag: str) -> None:
+    """``path`` is (made) a directory this process can write a file in."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _check_file(path: str, flag: str) -> None:
+    """A file can be written at ``path`` (its directory exists and takes files)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory, not a file")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot write there (permission denied)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: its directory {folder} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
 def cmd_inspect(args) -> int:
-    opts = parse_options(args.option)
+    opts = backend_options(args.option)
     opts.setdefault("compiler", "eager")  # the split plan does not depend on the piece compiler
     if args.dump:
+        _check_dir(args.dump, "--dump")  # before the compile, whose dump failure is only logged
         # Dump while compiling: the graph before the split only exists then.
         opts["debug_dump_path"] = args.dump
     cfg = ReplayConfig.from_options(opts)
@@ -142,6 +198,8 @@ def cmd_inspect(args) -> int:
     backend = ReplayBackend(cfg)
     runner = StepRunner(model, backend=backend, max_num_seqs=1, max_model_len=2 * model.cfg.window)
     runner.run(runner.dummy_batch(model.cfg.window))  # one trace, no capture
+    if args.dump and not os.path.isfile(os.path.join(backend.model.dump_dir, "index.md")):
+        raise ValueError(f"--dump {args.dump}: the dump could not be written (the warning above says why)")
     plan = plan_of(backend)
     print(plan.to_json() if args.json else plan.render())
     if args.dump and not args.json:
@@ -149,25 +207,126 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every usage error as one line on stderr, exit status 2: the same form as the
+    errors ``main`` reports from its own checks."""
+
+    def error(self, message: str):
+        self.exit(2, f"replay-backend: error: {message} (see '{self.prog} --help')\n")
+
+
+def _int_arg(lo: int, hi: int | None = None, even: bool = False, why: str = ""):
+    """An argparse type: an integer in ``[lo, hi]`` (even, if asked)."""
+    def integer(text: str) -> int:
+        try:
+            val = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if val < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {val}")
+        if hi is not None and val > hi:
+            raise argparse.ArgumentTypeError(f"{val} is above the limit of {hi}" + (f" ({why})" if why else ""))
+        if even and val % 2:
+            raise argparse.ArgumentTypeError(f"must be even (a cache block holds pairs of positions), got {val}")
+        return val
+    return integer
+
+
+def _number(lo: float = 0.0, above: bool = False):
+    """An argparse type: a finite number >= ``lo`` (> ``lo`` when ``above``)."""
+    def number(text: str) -> float:
+        try:
+            val = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(val) or val < lo or (above and val == lo):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if above else '>='} {lo:g}, got {text!r}")
+        return val
+    return number
+
+
+def _int_list(lo: int = 1, hi: int | None = None, why: str = ""):
+    """An argparse type: comma-separated integers, each in ``[lo, hi]``."""
+    one = _int_arg(lo, hi, why=why)
+
+    def integers(text: str) -> list[int]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        return [one(t) for t in items]
+    return integers
+
+
+def _names(choices=None):
+    """An argparse type: comma-separated names, each one of ``choices`` when given."""
+    def names(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+        bad = [t for t in items if choices is not None and t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
+        return items
+    return names
+
+
+def _profile_points(text: str) -> list[str]:
+    """An argparse type: comma-separated ``ISL/CONC`` points."""
+    points = [t.strip() for t in text.split(",") if t.strip()]
+    for p in points:
+        isl, _, conc = p.partition("/")
+        if not (isl.isdigit() and conc.isdigit() and int(isl) >= 1 and int(conc) >= 1):
+            raise argparse.ArgumentTypeError(f"{p!r}: expected ISL/CONC, e.g. 1024/1")
+    if not points:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ISL/CONC points, got {text!r}")
+    return [f"{int(p.split('/')[0])}/{int(p.split('/')[1])}" for p in points]
+
+
+def _device(text: str) -> str:
+    """An argparse type: cpu, or a CUDA device this machine has."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: the reference model runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here (torch {torch.__version__}); "
+                                         "use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA "
+                                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return str(dev)
+
+
+_LEN_WHY = "MAX_MODEL_LEN: positions must stay exact as float32"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replay-backend", description=__doc__)
+    p = _Parser(prog="replay-backend", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run the main job on the embedded default model")
+    grammar = dict(epilog=GRAMMAR, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser("demo", help="run the main job on the embedded default model", **grammar)
     d.add_argument("--preset", choices=sorted(PRESETS))
-    d.add_argument("--device")
-    d.add_argument("--batch", default=DEFAULT_BATCH)
-    d.add_argument("--max-model-len", type=int, default=1024)
-    d.add_argument("--option", action="append", metavar="KEY=VALUE")
+    d.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda where available)")
+    d.add_argument("--batch", default=DEFAULT_BATCH,
+                   help=f"the step's requests (grammar below; default {DEFAULT_BATCH!r})")
+    d.add_argument("--max-model-len", type=_int_arg(2, MAX_MODEL_LEN, even=True, why=_LEN_WHY), default=1024,
+                   help="the cache length of each request (even; its caches are allocated)")
+    d.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option (docs/configuration.md)")
     d.set_defaults(fn=cmd_demo)
 
-    v = sub.add_parser("verify", help="one step through the backend vs the eager oracle")
-    v.add_argument("--batch", required=True, help="e.g. 'd:1/700,p:250,p:60/260,k:140'")
+    v = sub.add_parser("verify", help="one step through the backend vs the eager oracle", **grammar)
+    v.add_argument("--batch", required=True, help="the step's requests (grammar below), e.g. 'd:1/700,p:250,k:140'")
     v.add_argument("--preset", choices=sorted(PRESETS))
-    v.add_argument("--device")
-    v.add_argument("--option", action="append", metavar="KEY=VALUE")
+    v.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda where available)")
+    v.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option (docs/configuration.md)")
     v.add_argument("--json", action="store_true")
-    v.add_argument("--tolerance", type=float)
-    v.add_argument("--max-model-len", type=int, default=131072,
+    v.add_argument("--tolerance", type=_number(0.0),
+                   help="the largest max |d| that agrees, a finite number >= 0 (default: by dtype)")
+    v.add_argument("--max-model-len", type=_int_arg(1, MAX_MODEL_LEN, why=_LEN_WHY), default=131072,
                    help="the longest sequence a --batch request may reach (its caches are allocated)")
     v.add_argument("--capture-all", action="store_true",
                    help="capture every graph size first (default: capture the sizes used, on first use)")
@@ -175,37 +334,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="the split plan")
     i.add_argument("--preset", choices=sorted(PRESETS))
-    i.add_argument("--device")
-    i.add_argument("--option", action="append", metavar="KEY=VALUE")
+    i.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda where available)")
+    i.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option (docs/configuration.md)")
     i.add_argument("--json", action="store_true")
     i.add_argument("--dump", metavar="DIR", help="write a navigable dump under DIR (index.md, the graph "
                    "before and after the split, every piece's readable code, config, plan)")
     i.set_defaults(fn=cmd_inspect)
 
-    b = sub.add_parser("bench", help="prefill-only TTFT of every mode (SPEC §9; GPU)")
+    b = sub.add_parser("bench", help="prefill-only TTFT of every mode (GPU)")
     b.add_argument("--preset", help="default: mini-2k on CUDA, tiny on CPU")
-    b.add_argument("--isl", type=_int_list, default=[1024, 4096, 8192, 32768])
-    b.add_argument("--conc", type=_int_list, default=[1, 8])
-    b.add_argument("--modes", type=lambda s: s.split(","), default=list(bench.MODES))
-    b.add_argument("--settings", type=lambda s: s.split(","), default=["default", "wide"],
+    b.add_argument("--isl", type=_int_list(1, MAX_MODEL_LEN - 2, why=_LEN_WHY), default=[1024, 4096, 8192, 32768])
+    b.add_argument("--conc", type=_int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8])
+    b.add_argument("--modes", type=_names(list(bench.MODES)), default=list(bench.MODES))
+    b.add_argument("--settings", type=_names(["default", "wide"]), default=["default", "wide"],
                    help="capture settings of the graphed modes (default, wide); modes without "
                         "this backend's graphs run once, at the default setting")
-    b.add_argument("--runs", type=int, default=10)
-    b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    b.add_argument("--max-tokens-per-point", type=int, default=65536,
+    b.add_argument("--runs", type=_int_arg(1), default=10)
+    b.add_argument("--warmup", type=_int_arg(0), default=2)
+    b.add_argument("--max-num-batched-tokens", type=_int_arg(1, MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS"),
+                   default=16384)
+    b.add_argument("--max-tokens-per-point", type=_int_arg(1), default=65536,
                    help="skip ISL x concurrency points above this many prompt tokens")
-    b.add_argument("--max-seconds", type=float, default=1e9,
+    b.add_argument("--max-seconds", type=_number(0.0, above=True), default=1e9,
                    help="from the bench's start: no new point, nor the stock peer's compile, after this")
     b.add_argument("--json", metavar="PATH", help="write the raw report here")
     b.add_argument("--out", metavar="PATH", help="write the markdown table here")
     b.add_argument("--profile-out", metavar="FILE", help="append a profiler summary per mode and profiled point")
-    b.add_argument("--profile-points", type=lambda s: s.split(","), default=["1024/1", "8192/1"],
+    b.add_argument("--profile-points", type=_profile_points, default=["1024/1", "8192/1"],
                    metavar="ISL/CONC,...")
     b.add_argument("--trace-dir", metavar="DIR", help="keep each profiled point's Chrome trace here (gzipped)")
     b.add_argument("--model-option", action="append", metavar="KEY=VALUE", default=[],
                    help="override a model config field, e.g. sinkhorn_impl=fused")
-    b.add_argument("--attention", type=lambda s: s.split(","), metavar="IMPL,...",
+    b.add_argument("--option", action="append", metavar="KEY=VALUE", default=[],
+                   help="a backend option for every mode of this backend, e.g. compiler=eager "
+                        "(not the keys the modes and capture settings decide)")
+    b.add_argument("--attention", type=_names(), metavar="IMPL,...",
                    help="run the whole bench once per attention implementation (e.g. triton,flashinfer), "
                         "in this process, one after the other (a later pass can read slower on the same "
                         "host: docs/benchmarks.md); default: the model's own")
@@ -213,10 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only trace and build the replay mode, print the seconds (cold/warm compile)")
     b.set_defaults(fn=cmd_bench)
     return p
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def _write_report(args, reports: list[dict]) -> str:
@@ -234,19 +393,32 @@ def _write_report(args, reports: list[dict]) -> str:
     return text
 
 
+def _check_bench(args) -> None:
+    """What the bench's arguments must satisfy, checked before any model is built: the
+    preset and model options, every attention implementation, the backend options, the
+    caches the runs allocate, and the files they write."""
+    cfg = model_config(args.preset, args.model_option)
+    for impl in args.attention or []:
+        model_config(args.preset, [*args.model_option, f"attention_impl={impl}"])
+    for mode in args.modes:
+        if mode in bench.MODE_OPTIONS:
+            for setting in args.settings:
+                bench._backend_config(mode, setting, args)
+    longest = max(max(args.isl), cfg.window) + 2
+    _check_layout(longest, max(args.conc), f"--isl {max(args.isl)} --conc {max(args.conc)} (caches of "
+                  f"max(ISL, W) + 2 = {longest} positions per sequence)")
+    for flag, path in (("--json", args.json), ("--out", args.out), ("--profile-out", args.profile_out)):
+        if path:
+            _check_file(path, flag)
+    if args.trace_dir:
+        _check_dir(args.trace_dir, "--trace-dir")
+
+
 def cmd_bench(args) -> int:
     if args.preset is None:
         args.preset = "mini-2k" if torch.cuda.is_available() else "tiny"
-    unknown = sorted(set(args.modes) - set(bench.MODES))
-    if unknown:
-        raise ValueError(f"unknown bench mode(s) {unknown}; choose from {list(bench.MODES)}")
-    bad = sorted(set(args.settings) - {"default", "wide"})
-    if bad:
-        raise ValueError(f"unknown capture setting(s) {bad}; choose default and/or wide")
+    _check_bench(args)
     impls = args.attention or [None]
-    for impl in impls:  # a bad name fails here, before any model is built
-        if impl is not None:
-            preset(args.preset, attention_impl=impl)
     if args.compile_only:
         print(json.dumps(bench.compile_only(args)))
         return 0
@@ -265,7 +437,14 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The console script: 0 (or 1 where a comparison failed) on success; 2 with one
+    line ``replay-backend: error: ...`` on stderr for a usage error, from the parser
+    or from the commands' own checks (a ValueError, however wrapped). Anything else
+    is a bug and keeps its traceback."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a usage error already printed (2)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.fn(args)
     except Exception as e:  # noqa: BLE001 - a user's error, however wrapped, is one line

@@ -24,7 +24,21 @@ def parse_options(items: list[str] | None, flag: str = "--option") -> dict:
         if "=" not in item:
             raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
         key, val = item.split("=", 1)
+        if not key.strip():
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE, the KEY is empty")
         opts[key.strip()] = parse_value(val.strip())
+    return opts
+
+
+def backend_options(items: list[str] | None, flag: str = "--option") -> dict:
+    """``--option`` items as backend options: a list option given one value
+    (``cudagraph_capture_sizes=256``) is a list of that one value."""
+    from ..config import LIST_OPTIONS
+
+    opts = parse_options(items, flag)
+    for key in LIST_OPTIONS:
+        if isinstance(opts.get(key), (int, float)):  # a JSON object stays a dict, refused as one
+            opts[key] = [opts[key]]
     return opts
 
 

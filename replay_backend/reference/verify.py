@@ -1,6 +1,7 @@
-"""Compiled step vs the eager oracle (SPEC §3, §8): the engine of ``replay-backend verify``."""
+"""Compiled step vs the eager oracle: the engine of ``replay-backend verify``."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -9,6 +10,7 @@ from ..backend import ReplayBackend
 from ..batch import RequestChunk
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
 from ..config import ReplayConfig
+from ..kv_cache import CacheLayout
 from .dsv41_mini import DSv41Mini
 from .runner import StepRunner
 
@@ -31,6 +33,26 @@ class VerifyResult:
         return asdict(self)
 
 
+def check_tolerance(tolerance, name: str = "tolerance") -> float | None:
+    """``tolerance`` as a float: a finite number >= 0 (a max |d| is compared to it;
+    nan or a negative one would report a mismatch at a difference of 0), or None."""
+    if tolerance is None:
+        return None
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
+            or tolerance < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (a bound on max |d|), got {tolerance!r}")
+    return float(tolerance)
+
+
+def runner_sizes(requests: list[RequestChunk], window: int, config: ReplayConfig) -> dict:
+    """The sizes :func:`verify_step` builds its two runners with: one cache block per
+    request, each long enough for the longest request (even, and two windows at least)."""
+    max_len = max(r.seq_len for r in requests)
+    max_len += max_len % 2
+    return dict(max_num_seqs=len(requests), max_model_len=max(max_len, 2 * window),
+                max_num_batched_tokens=config.max_num_batched_tokens)
+
+
 def verify_step(model: DSv41Mini, requests: list[RequestChunk], config: ReplayConfig,
                 capture: bool = False, tolerance: float | None = None) -> VerifyResult:
     """Run ``requests`` as one step through the compiled backend and the eager oracle,
@@ -40,10 +62,11 @@ def verify_step(model: DSv41Mini, requests: list[RequestChunk], config: ReplayCo
     ``capture=True`` captures every graph size before the step (as a server would);
     otherwise the sizes the step needs are captured on first use.
     """
-    max_len = max(r.seq_len for r in requests)
-    max_len += max_len % 2
-    kw = dict(max_num_seqs=len(requests), max_model_len=max(max_len, 2 * model.cfg.window),
-              max_num_batched_tokens=config.max_num_batched_tokens)
+    tolerance = check_tolerance(tolerance)
+    if not requests:
+        raise ValueError("verify_step: no requests (a step needs at least one)")
+    kw = runner_sizes(requests, model.cfg.window, config)
+    CacheLayout(kw["max_model_len"], kw["max_num_seqs"])  # its sizes refused before a model runs
     backend = ReplayBackend(config)
     compiled = StepRunner(model, backend=backend, **kw)
     oracle = StepRunner(model, **kw)
