@@ -23,14 +23,18 @@ class PieceInfo:
     layers: list[int] = field(default_factory=list)
     num_ops: int = 0
     op: str | None = None  # the splitting op, for attention / replay pieces
+    # An attention piece of the replay layers left in the main graph (their region not
+    # cut out): it runs with the replay layers' view of the batch.
+    in_region: bool = False
 
     def as_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "layers": self.layers,
-                "num_ops": self.num_ops, "op": self.op}
+                "num_ops": self.num_ops, "op": self.op, "in_region": self.in_region}
 
 
-def split_at_ops(gm: fx.GraphModule, splitting_ops, replay_op: str | None = None
-                 ) -> tuple[fx.GraphModule, list[PieceInfo]]:
+def split_at_ops(gm: fx.GraphModule, splitting_ops, replay_op: str | None = None,
+                 in_region: frozenset = frozenset()) -> tuple[fx.GraphModule, list[PieceInfo]]:
+    """``in_region``: nodes of the replay layers, whose attention pieces are marked."""
     splitting_ops = set(splitting_ops) | ({replay_op} if replay_op else set())
     part: dict[fx.Node, int] = {}
     pid = 0
@@ -57,7 +61,8 @@ def split_at_ops(gm: fx.GraphModule, splitting_ops, replay_op: str | None = None
         kind = "graph" if split_op is None else ("replay" if split_op == replay_op else "attention")
         layers = sorted(set().union(*(layers_of(n) for n in nodes)))
         ops = sum(1 for n in nodes if n.op in ("call_function", "call_method", "call_module"))
-        infos.append(PieceInfo(node.target, kind, layers, ops, split_op))
+        region = kind == "attention" and any(n in in_region for n in nodes)
+        infos.append(PieceInfo(node.target, kind, layers, ops, split_op, region))
     return split, infos
 
 

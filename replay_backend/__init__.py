@@ -8,7 +8,9 @@ from .batch import (AttnView, ReplayRows, RequestChunk, StepBatch, ViewField, bu
 from .config import ReplayConfig
 # The Counters object (SPEC §8: ``replay_backend.counters.expect(...)``), not the module.
 from .counters import counters
-from .tracing.dynamic import ReplayCompiled, compile, mark_token_dims
+from .tracing.dynamic import mark_token_dims
+from .serving import ReplayCompiled, StepSetup, compile
+from .dispatch.decide import StepKind, StepResult
 from .tracing.boundary import replay_begin, replay_end
 from .kv_cache import CacheLayout
 from .forward_context import ForwardContext, get_forward_context, set_forward_context
@@ -35,5 +37,5 @@ __all__ = [
     "dummy_step_batch", "ForwardContext", "get_forward_context", "mark_token_dims", "ModelConfig",
     "Phase", "plan_of", "preset", "replay_begin", "replay_end", "replay_rows_for", "ReplayBackend",
     "ReplayCompiled", "ReplayConfig", "ReplayRows", "RequestChunk", "set_forward_context",
-    "SplitPlan", "StepBatch", "StepRunner", "ViewField",
+    "SplitPlan", "StepBatch", "StepKind", "StepResult", "StepRunner", "StepSetup", "ViewField",
 ]

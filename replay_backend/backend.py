@@ -23,10 +23,19 @@ from .compiling.piece_cache import PieceCache
 from .config import ReplayConfig
 from .counters import counters
 from .dispatch.compiled import CompiledReplayModel
+from .batch import build_step_batch
 from .dispatch.direct import CallLog
-from .forward_context import has_forward_context
+from .forward_context import has_forward_context, set_forward_context
 from .lifecycle import Lifecycle, Phase
 from .pipeline import build
+from .step_metadata import MetadataBuffer, metadata_capacity
+
+
+def run_dummy(model: CompiledReplayModel, setup, n: int, use_graphs: bool = True) -> None:
+    """One dummy step of ``n`` tokens of ``setup`` (every KV write to the pad slot)
+    through ``model``'s graph directly, under a forward context of its own."""
+    with set_forward_context(setup.context(setup.dummy_batch(n), use_graphs=use_graphs)):
+        model.graph_call.dummy(n)
 
 log = logging.getLogger("replay_backend")
 
@@ -49,9 +58,13 @@ class ReplayBackend:
         self.dp_group = dp_group
         self.compiled: list[CompiledReplayModel] = []
         self.lifecycle = Lifecycle()  # shared by every graph compiled for this state
-        # Calls of the compiled model while a runner watches (its warm-up steps): the
-        # runner learns from them how to call the model without Dynamo (dispatch/direct.py).
+        # Calls of the compiled model through Dynamo while watched: the model's front
+        # (serving.ReplayCompiled) learns from them to call it directly (dispatch/direct.py).
         self.calls = CallLog()
+        # What served steps are built from (serving.StepSetup), and the fixed device
+        # buffer their metadata goes to once serving (step_metadata.py).
+        self.setup = None
+        self.metadata: MetadataBuffer | None = None
 
     @property
     def model(self) -> CompiledReplayModel:
@@ -67,6 +80,12 @@ class ReplayBackend:
         return len(self.compiled) == 1 and self.compiled[0].replay is not None
 
     @property
+    def has_run(self) -> bool:
+        """A step ran through the compiled model: the backend can run dummy steps of any
+        size itself (capture, the memory estimate)."""
+        return bool(self.compiled) and self.compiled[-1].graph_call is not None
+
+    @property
     def phase(self) -> Phase:
         return self.lifecycle.phase
 
@@ -75,19 +94,45 @@ class ReplayBackend:
         """True once serving: a further graph (a recompile) is an error."""
         return self.phase is Phase.SERVING
 
-    def capture(self, run_step: Callable[[int], Any], replay_view_for: Callable[[int], Any],
-                metadata=None) -> dict:
-        """Capture the main graphs, then the replay graphs, each largest size first (SPEC
-        §7), after the warm-up steps. ``run_step(n)`` runs one dummy step of ``n`` tokens
-        through the compiled model (under the caller's forward context);
-        ``replay_view_for(n)`` gives the attention view of ``n`` dummy replay rows.
-        Returns the per-runner capture summary; :meth:`start_serving` comes next."""
+    # ---- serving: capture, start of serving, step batches ---------------------------
+    def capture(self, setup, replay_view_for: Callable[[int], Any] | None = None, metadata=None) -> dict:
+        """Capture the main graphs, then the replay graphs, each largest size first, after
+        the warm-up steps. ``setup`` (a ``StepSetup``): the backend runs the dummy steps
+        itself, on zeros in the token inputs, and keeps a fixed metadata buffer for
+        the served steps' batches (``build_batch``). The other form, for a runner that
+        drives its own dummy steps: ``capture(run_step, replay_view_for, metadata)``,
+        ``run_step(n)`` runs one dummy step of ``n`` tokens through the compiled model
+        under the caller's forward context, ``replay_view_for(n)`` gives the view of
+        ``n`` dummy replay rows. Returns the per-runner capture summary;
+        :meth:`start_serving` comes next."""
         life = self.lifecycle
         life.expect("capture", Phase.WARMING)
-        if not has_forward_context():
-            raise RuntimeError("dsv41_replay: capture() needs a forward context around it: the replay graphs "
-                               "are captured outside any model step, so wrap the call in "
-                               "set_forward_context(ForwardContext(dummy_step_batch(...), kv=your_cache))")
+        if not callable(setup):
+            if replay_view_for is not None or metadata is not None:
+                raise TypeError("capture(setup) takes the StepSetup alone")
+            setup = self.use(setup)
+            model = self._learned_model("capture")
+            metadata = self._metadata_buffer(setup)
+            with set_forward_context(setup.context(setup.dummy_batch(setup.window))):
+                summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata)
+        else:
+            if replay_view_for is None:
+                raise TypeError("capture(run_step, replay_view_for): the replay view builder is missing")
+            if not has_forward_context():
+                raise RuntimeError("dsv41_replay: capture() needs a forward context around it: the replay graphs "
+                                   "are captured outside any model step, so wrap the call in "
+                                   "set_forward_context(ForwardContext(dummy_step_batch(...), kv=your_cache)), or "
+                                   "pass a StepSetup and let the backend run its dummy steps")
+            summary = self._capture(setup, replay_view_for, metadata)
+        graphs = sum(level.get("graphs", 0) for level in summary.values())
+        if graphs == 0 and self.config.graphs_enabled:
+            self.model.res.fallback("nothing_captured", f"capture() captured no graph: {self._why_no_graphs()}")
+        elif graphs == 0:
+            log.info("dsv41_replay: capture() captured no graph: cudagraph_mode='none'")
+        return summary
+
+    def _capture(self, run_step, replay_view_for, metadata) -> dict:
+        life = self.lifecycle
         life.advance(Phase.CAPTURING_MAIN)
         try:
             # Graphs serve inference; the replay graphs run the region outside any model
@@ -100,13 +145,33 @@ class ReplayBackend:
             life.advance(Phase.WARMING)
             raise
 
-    def start_serving(self) -> None:
+    def _why_no_graphs(self) -> str:
+        model = self.model
+        if not model.token_inputs:
+            return "the model step was traced without a dynamic token count"
+        if not model.main_level.sizes:
+            return f"no main graph size (the plan: {model.plan.replay_off_reason or 'main graphs refused'})"
+        return "every piece ran eagerly"
+
+    def estimate_graph_memory(self, setup):
+        """What :meth:`capture` will take from the GPU, measured without capturing (a
+        ``GraphMemoryEstimate``), from the dummy steps of ``setup`` (a ``StepSetup``)."""
+        setup = self.use(setup)
+        model = self._learned_model("estimate_graph_memory")
+        with set_forward_context(setup.context(setup.dummy_batch(setup.window))), torch.no_grad():
+            return model.estimate_graph_memory(lambda n: run_dummy(model, setup, n, use_graphs=False),
+                                               setup.replay_view)
+
+    def start_serving(self, setup=None) -> None:
         """Warm-up (and capture) is over: no capture from now on, an uncaptured size is a
-        counted fallback, and a recompile is an error."""
+        counted fallback, and a recompile is an error. ``setup``: the ``StepSetup`` served
+        batches are built from, where :meth:`capture` did not get one."""
         life = self.lifecycle
         if life.serving:
             return
         life.expect("start_serving", Phase.WARMING, Phase.CAPTURING_MAIN, Phase.CAPTURING_REPLAY)
+        if setup is not None:
+            self.use(setup)
         self.model.start_serving()
         life.advance(Phase.SERVING)
 
@@ -114,24 +179,103 @@ class ReplayBackend:
         """The former name of :meth:`start_serving`."""
         self.start_serving()
 
+    def build_batch(self, requests, token_ids, blocks, max_num_batched_tokens: int | None = None,
+                    inputs_in_metadata: bool = False):
+        """A step's ``StepBatch`` from its setup: once serving, in the backend's fixed
+        metadata buffer (valid until the next build: run each batch before building the
+        next). ``inputs_in_metadata``: only for a caller that reaches the compiled model
+        directly (``ReplayCompiled`` does)."""
+        if self.setup is None:
+            raise RuntimeError("dsv41_replay: build_batch() needs the model's StepSetup: pass it to capture() or "
+                               "start_serving(), or build batches with replay_backend.build_step_batch")
+        s = self.setup
+        limit = self.config.max_num_batched_tokens
+        if max_num_batched_tokens is not None:
+            limit = min(limit, max_num_batched_tokens)
+        return build_step_batch(requests, token_ids, blocks, s.layout, s.window, s.device, limit,
+                                inputs_in_metadata=inputs_in_metadata,
+                                metadata=self.metadata if self.lifecycle.serving else None, view_fields=s.view_fields)
+
+    @property
+    def last_step(self):
+        """What the last step of the compiled model did (a ``StepResult``), or None."""
+        plan = self.compiled[-1].last_plan if self.compiled else None
+        return plan.result if plan is not None else None
+
+    def use(self, setup):
+        """Build this state's steps from ``setup`` (a ``StepSetup``): its dummy steps for
+        capture and its served batches (:meth:`build_batch`). Checked against the window
+        the model's markers declare, once traced. Returns it."""
+        from .serving import StepSetup
+
+        if not isinstance(setup, StepSetup):
+            raise TypeError(f"expected a replay_backend.StepSetup, got {type(setup).__name__}")
+        window = self.model.plan.window if self.compiled else None
+        if window is not None and setup.window != window:
+            raise ValueError(f"StepSetup.window={setup.window} differs from the window W={window} the model's "
+                             "replay_begin declares")
+        if self.setup is not None and not setup.same_as(self.setup):
+            raise ValueError("a different StepSetup than the one this backend's steps are built from (its layout, "
+                             "window, device, kv cache, view fields or prepare_view differ): give one per model")
+        self.setup = setup
+        return setup
+
+    def _learned_model(self, what: str) -> CompiledReplayModel:
+        if not self.has_run:
+            raise RuntimeError(f"dsv41_replay: {what}() needs one step through the compiled model first")
+        return self.model
+
+    def _metadata_buffer(self, setup) -> MetadataBuffer | None:
+        """The fixed buffer served steps' metadata goes to, whose head the trim op's
+        gather graphs read in place; None where off or impossible (a fallback)."""
+        if self.metadata is not None or not self.config.metadata_in_place or self.model.replay is None:
+            return self.metadata
+        cfg = self.config
+        capacity = metadata_capacity(cfg.max_num_batched_tokens, setup.layout.num_blocks, setup.view_fields)
+        if isinstance(capacity, str):
+            self.model.res.fallback("metadata_in_place", f"served steps' metadata is built in fresh memory: "
+                                    f"{capacity}, so no fixed buffer can hold every step's")
+            return None
+        self.metadata = MetadataBuffer(capacity, setup.device)
+        return self.metadata
+
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> CompiledReplayModel:
         counters.graphs_seen += 1
         if self.phase not in (Phase.TRACING, Phase.WARMING):
             counters.recompiles += 1
-            raise RuntimeError(
-                f"dsv41_replay: recompile after warm-up (while {self.phase.value}). The model must trace once, "
-                "dynamic only in the token count (mark the token dimension dynamic; see docs/debugging.md)")
+            raise RuntimeError(f"dsv41_replay: recompile after warm-up (while {self.phase.value}): "
+                               f"{self._why_recompile()}")
         if self.compiled:
             counters.recompiles += 1
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
         else:  # once per backend, not per graph
             log.info("dsv41_replay config: %s", self.config.as_dict())
+        grad_enabled = torch.is_grad_enabled()  # the traced call's grad mode, a guard of the frame
         model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group, self.calls,
                       len(self.compiled), self.lifecycle)
+        model.grad_enabled = grad_enabled
+        window = model.plan.window
+        if self.setup is not None and window is not None and self.setup.window != window:
+            raise ValueError(f"StepSetup.window={self.setup.window} differs from the window W={window} the "
+                             "model's replay_begin declares")
         inspection.on_built(model)
         self.compiled.append(model)
         self.lifecycle.advance(Phase.WARMING)
         return model
+
+
+    def _why_recompile(self) -> str:
+        """Dynamo traced the model anew: the likely reason, named for the user."""
+        if not has_forward_context():
+            return ("the compiled model was called outside replay_backend.set_forward_context(...): every step "
+                    "runs inside the forward context of its batch")
+        if self.compiled and torch.is_grad_enabled() != self.compiled[0].grad_enabled:
+            return (f"the model was traced with grad mode {'on' if self.compiled[0].grad_enabled else 'off'} and is "
+                    "now called with it " + ("on" if torch.is_grad_enabled() else "off")
+                    + ": run every step under torch.no_grad() or torch.inference_mode()")
+        return ("one of Dynamo's guards failed (an input's dtype, device or rank, a model attribute, global "
+                "state): the model must trace once, dynamic only in the token count; TORCH_LOGS=recompiles "
+                "names the guard (docs/debugging.md)")
 
 
 def dsv41_replay(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,

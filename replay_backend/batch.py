@@ -80,7 +80,10 @@ class AttnView:
 
     ``query_start_loc[i]:query_start_loc[i+1]`` are request i's rows; they hold the
     *last* ``n_i`` positions of its sequence (``seq_len - n_i .. seq_len - 1``).
-    ``kv_start[i]`` is the replay floor (0 = none); only replay layers apply it.
+    ``kv_start[i]`` is the replay floor (0 = none), which only the replay layers apply:
+    ``replay`` says the view is read by them (the replay batch, or the whole batch
+    while the replay region runs on every row). ``trimmed`` says its rows are the
+    replay batch's (each request's kept rows), not the whole batch's.
     """
 
     num_tokens: int
@@ -88,15 +91,23 @@ class AttnView:
     seq_lens: tuple[int, ...]
     kv_start: tuple[int, ...]
     cache_base: tuple[int, ...]
-    slot_mapping: torch.Tensor  # [num_tokens] int64, per-token caches
-    comp_slot_mapping: torch.Tensor | None  # [num_tokens] ratio-2 global slots (whole batch only)
-    # Derived device metadata (e.g. attention kernel row blocks), built once per view and
-    # shared by every layer of the step.
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each row writes its KV
+    replay: bool = False
+    trimmed: bool = False
+    # Derived device metadata (the model's ViewFields, e.g. attention kernel row blocks),
+    # built once per step and shared by every layer, and by the whole batch's two views.
     derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens)
+
+    def for_replay_layers(self) -> "AttnView":
+        """The same rows as read by the replay layers: the floor applies. It shares this
+        view's derived metadata, which the rows alone determine."""
+        view = dataclasses.replace(self, replay=True)
+        object.__setattr__(view, "derived", self.derived)
+        return view
 
 
 @dataclass(frozen=True)
@@ -123,8 +134,10 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     logits_indices: torch.Tensor  # [R]: each request's last row
-    view: AttnView
+    view: AttnView  # the whole batch, as the layers before the replay region read it
     replay: ReplayBatch
+    # The whole batch as the replay layers read it when they run on every row.
+    region_view: AttnView
     # Set when the device fields live in a runner's MetadataBuffer: valid while the
     # buffer is still at this generation (step_metadata.py).
     metadata: MetadataBuffer | None = field(default=None, compare=False, repr=False)
@@ -245,32 +258,59 @@ def validate_requests(requests, layout: CacheLayout, window: int,
 @dataclass(frozen=True)
 class ViewField:
     """Per-view device metadata a model's attention reads (``AttnView.derived[name]``),
-    built on the host from the view's layout, ``build(query_start_loc, seq_lens,
-    kv_start, cache_base, window)`` -> a 1-D int64 host tensor, and sent in the step's
-    one metadata copy instead of in a copy of its own inside the first attention op,
-    on the critical path. The view holds it as ``[-1, width]``."""
+    built on the host and sent in the step's one metadata copy instead of in a copy of
+    its own inside the first attention op, on the critical path. The view holds it as
+    ``[-1, width]``. Two kinds:
+
+    * per view (``per_row=False``): ``build(query_start_loc, seq_lens, kv_start,
+      cache_base, window)`` -> a 1-D int64 host tensor, built for each view from its
+      layout; ``max_rows(max_tokens, max_requests)`` bounds its rows for a step of at
+      most that many tokens and requests (without it the backend cannot size a fixed
+      metadata buffer: see ``metadata_in_place``);
+    * per row (``per_row=True``): ``build(positions, slots, layout)`` -> ``width``
+      values per row of the whole batch, from its positions and slots (int64 host
+      tensors; a dummy step's slots are all the pad slot) and the cache layout; the
+      replay batch's view holds its kept rows' values. A model derives per-token cache
+      slots this way (e.g. the slots of a compressed cache)."""
 
     build: Callable[..., torch.Tensor]
     width: int = 1
+    per_row: bool = False
+    max_rows: Callable[[int, int], int] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.build):
+            raise ValueError(f"ViewField.build must be callable, got {self.build!r}")
+        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
+            raise ValueError(f"ViewField.width must be an integer >= 1, got {self.width!r}")
+
+    def capacity(self, max_tokens: int, max_requests: int) -> int | None:
+        """Elements this field takes in one view of a step of at most ``max_tokens``
+        tokens and ``max_requests`` requests; None where it has no bound."""
+        if self.per_row:
+            return self.width * max_tokens
+        return None if self.max_rows is None else self.width * self.max_rows(max_tokens, max_requests)
 
 
 def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout,
                      window: int, device, max_num_batched_tokens: int | None = None,
                      inputs_in_metadata: bool = False, metadata: MetadataBuffer | None = None,
-                     view_fields: Mapping[str, ViewField] | None = None) -> StepBatch:
+                     view_fields: Mapping[str, ViewField] | None = None, *, pad_writes: bool = False) -> StepBatch:
     """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens (a
     list of ints or a 1-D tensor) and ``blocks[i]`` its cache block.
 
     ``inputs_in_metadata``: the token ids and positions travel in the metadata's one
     copy too, as views of it, instead of in two copies of their own. Only for a model
-    that is not called through Dynamo (a served step's direct entry, dispatch/direct.py):
-    Dynamo would trace the views' storage offsets as symbols of a new graph.
+    that is not called through Dynamo (a direct call, dispatch/direct.py): Dynamo would
+    trace the views' storage offsets as symbols of a new graph.
 
-    ``metadata``: the copy goes into this fixed buffer (a serving runner's) instead of
-    fresh device memory, and the batch is valid until the buffer's next use.
+    ``metadata``: the copy goes into this fixed buffer (the serving backend's) instead
+    of fresh device memory, and the batch is valid until the buffer's next use.
 
-    ``view_fields``: the model's own per-view metadata (:class:`ViewField`), for the
-    whole batch's view and the replay batch's."""
+    ``view_fields``: the model's own device metadata (:class:`ViewField`), for the whole
+    batch's view and the replay batch's.
+
+    ``pad_writes``: every row writes its KV to the pad slot (a dummy step's)."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -291,38 +331,44 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     # waits for a scheduler time slice (milliseconds), and is no faster when idle.
     pos = torch.cat([torch.arange(r.seq_len - q, r.seq_len, dtype=torch.int64)
                      for r, q in zip(requests, qlens)])
-    slots = torch.cat([torch.arange(b + r.seq_len - q, b + r.seq_len, dtype=torch.int64)
-                       for r, q, b in zip(requests, qlens, base)])
-    # A ratio-2 global entry m pools positions 2m and 2m+1; it is written when its odd
-    # position arrives (the even one is already in the raw cache), so even positions
-    # write the pad slot.
-    comp = torch.where(pos % 2 == 1, slots // 2, layout.num_slots // 2)
+    if pad_writes:
+        slots = torch.full((qsl[-1],), layout.pad_slot, dtype=torch.int64)
+    else:
+        slots = torch.cat([torch.arange(b + r.seq_len - q, b + r.seq_len, dtype=torch.int64)
+                           for r, q, b in zip(requests, qlens, base)])
     floors = tuple(replay_floor(r, window) for r in requests)
     seq_lens = tuple(r.seq_len for r in requests)
     rows, kqsl = replay_rows(requests, window)
     rows_cpu = int64_tensor([len(rows), *rows])  # the count, then the rows
+    kept = rows_cpu[1:]
     ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
     last = int64_tensor([q - 1 for q in qsl[1:]])
     fields = tuple((view_fields or {}).items())
-    extra = [f.build(q, seq_lens, floors, base, window) for q in (qsl, kqsl) for _, f in fields]
+    extra = []
+    for name, f in fields:
+        if f.per_row:
+            whole = f.build(pos, slots, layout)
+            extra += [whole, whole.view(-1, f.width)[kept].reshape(-1)]
+        else:
+            extra += [f.build(q, seq_lens, floors, base, window) for q in (qsl, kqsl)]
     # One copy to the device for the metadata, every field a view of it, and for the
     # inputs too where the caller allows (each copy is host time before the first kernel).
     # The count and rows come first: in a metadata buffer they sit at its head, where the
     # trim op's gather graph reads them (step_metadata.py).
-    parts = [rows_cpu, slots, comp, last, slots[rows_cpu[1:]], pos[rows_cpu[1:]], *extra]
+    parts = [rows_cpu, slots, last, slots[kept], pos[kept], *extra]
     if inputs_in_metadata:
-        count_rows, ids, pos, slots, comp, last, rslots, rpos, *extra = aligned_fields(
+        count_rows, ids, pos, slots, last, rslots, rpos, *extra = aligned_fields(
             [parts[0], ids, pos, *parts[1:]], device, metadata)
     else:
-        count_rows, slots, comp, last, rslots, rpos, *extra = aligned_fields(parts, device, metadata)
+        count_rows, slots, last, rslots, rpos, *extra = aligned_fields(parts, device, metadata)
         ids, pos = to_device(ids, device), to_device(pos, device)
-    view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots, comp)
-    replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, None)
-    for k, v in enumerate((view, replay_view)):
-        for (name, f), t in zip(fields, extra[k * len(fields):]):
-            v.derived[name] = t.view(-1, f.width)
+    view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots)
+    replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, replay=True, trimmed=True)
+    for k, (name, f) in enumerate(fields):
+        view.derived[name] = extra[2 * k].view(-1, f.width)
+        replay_view.derived[name] = extra[2 * k + 1].view(-1, f.width)
     replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
-    return StepBatch(requests, window, ids, pos, last, view, replay, metadata,
+    return StepBatch(requests, window, ids, pos, last, view, replay, view.for_replay_layers(), metadata,
                      metadata.generation if metadata is not None else 0, layout)
 
 
@@ -347,12 +393,5 @@ def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, 
         raise ValueError(f"context={context} leaves no room in max_model_len={layout.max_model_len}")
     reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s) + (context if i == 0 else 0))
             for i, s in enumerate(range(0, num_tokens, w))]
-    b = build_step_batch(reqs, [[0] * r.query_len for r in reqs], [0] * len(reqs), layout, window, device,
-                         view_fields=view_fields)
-    pad = layout.pad_slot
-
-    def to_pad(v: AttnView) -> AttnView:
-        comp = None if v.comp_slot_mapping is None else torch.full_like(v.comp_slot_mapping, pad // 2)
-        return dataclasses.replace(v, slot_mapping=torch.full_like(v.slot_mapping, pad), comp_slot_mapping=comp)
-    replay = dataclasses.replace(b.replay, view=to_pad(b.replay.view))
-    return dataclasses.replace(b, view=to_pad(b.view), replay=replay)
+    return build_step_batch(reqs, [[0] * r.query_len for r in reqs], [0] * len(reqs), layout, window, device,
+                            view_fields=view_fields, pad_writes=True)

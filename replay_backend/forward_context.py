@@ -49,15 +49,10 @@ class ForwardContext:
             self.active = self.batch.view
 
     @property
-    def step(self):
-        """The main layers' part of the plan (``StepInfo``), or None before the compiled
-        model ran."""
-        return self.plan.step if self.plan is not None else None
-
-    @property
-    def last_trim(self):
-        """The replay region's part of the plan (``TrimRecord``), or None."""
-        return self.plan.record if self.plan is not None else None
+    def result(self):
+        """What the compiled model did in this context's step (a ``StepResult``), or
+        None before it ran (or when the model ran uncompiled)."""
+        return self.plan.result if self.plan is not None else None
 
     def point_at(self, view: "AttnView", graph_size: int | None = None) -> "AttnView":
         """Point attention at ``view`` (planned first, see ``prepare_view``); returns the

@@ -18,16 +18,25 @@ from .compiling.pieces import PieceCompiler, wrap_uncompiled
 from .config import ReplayConfig
 from .dispatch.compiled import CompiledReplayModel
 from .dispatch.direct import CallLog
+from .dispatch.region_attention import RegionAttention
 from .dispatch.trim_op import ReplayRuntime
 from .lifecycle import Lifecycle
 from .passes.region import (BEGIN, END, TRIM, ExtractedRegion, ReplayRegionError, extract_replay_region,
-                            marked_window)
+                            find_markers, marked_window)
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
 from .passes.split import live_across, split_at_ops, step_dependent_ops
 from .plan import SplitPlan
+from .tracing.generic import admit_every_token_count
 
 log = logging.getLogger("replay_backend")
+
+STATIC_TRACE = (
+    "dsv41_replay: the model step was traced with a static token count, so it could neither trim nor pad "
+    "to its graphs, and the next step's count would recompile. Trace it dynamic in the token count: "
+    "replay_backend.compile(model, token_args, options=...) (which also serves one-token steps directly), "
+    "torch.compile(model, backend='dsv41_replay', dynamic=True) with a first step of at least 2 tokens, or "
+    "replay_backend.mark_token_dims(input_ids, positions, ...) before the first call")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,11 @@ class Traced:
     token_inputs: list[int]  # tensors whose first dimension is the token count
     sym_inputs: list[int]  # the symbolic token count itself
     use_cuda: bool  # graphs on CUDA (else emulated on the CPU)
+
+    @property
+    def token_sizes(self) -> list:
+        """The token-count symbols of the graph's inputs."""
+        return [self.fake_inputs[i].shape[0] for i in self.token_inputs] + [self.fake_inputs[i] for i in self.sym_inputs]
 
 
 @dataclass
@@ -62,6 +76,8 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     cache = cache if cache is not None else PieceCache()
     before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
     traced = _traced(gm, example_inputs, cfg)
+    if not traced.token_inputs and (marked_window(gm) is not None or declared_in(gm, OpRole.ATTENTION)):
+        raise ValueError(STATIC_TRACE)
     res = GraphResources(use_cuda=traced.use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses,
                          lifecycle=lifecycle if lifecycle is not None else Lifecycle())
     graphs = cfg.graphs_enabled and bool(traced.token_inputs)
@@ -71,9 +87,15 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     region, off_reason = _find_region(gm, cfg, splitting, res)
     main_sizes = _main_sizes(gm, cfg, splitting, res) if graphs else []
     main_level = GraphLevel("main", main_sizes)
-    split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None)
+    split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None,
+                                     _left_in_main(gm) if region is None else frozenset())
     parts = _region_parts(region, cfg, splitting, main_sizes, graphs, res, dp_group) if region is not None else None
     _compile(split, main_infos, main_level, parts, cfg, res, cache, traced)
+    for info in main_infos:
+        if info.in_region:
+            split._modules[info.name] = RegionAttention(getattr(split, info.name))
+    # Last: compiling the pieces records guards on the token count too.
+    admit_every_token_count(traced.fake_mode, traced.token_sizes, cfg.max_num_batched_tokens, res.fallback)
     plan = _split_plan(cfg, region, main_sizes, main_infos, parts, off_reason, splitting)
     sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
     dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
@@ -115,6 +137,18 @@ def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphRes
         return None, "no replay boundary markers in the graph"
     cfg.check_window(region.window)
     return region, None
+
+
+def _left_in_main(gm: fx.GraphModule) -> frozenset:
+    """The nodes between the boundary markers of a graph whose region is not cut out."""
+    try:
+        markers = find_markers(gm)
+    except ReplayRegionError:
+        return frozenset()
+    if markers is None:
+        return frozenset()
+    nodes = list(gm.graph.nodes)
+    return frozenset(nodes[nodes.index(markers[0]) + 1:nodes.index(markers[1])])
 
 
 def _main_sizes(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphResources) -> list[int]:

@@ -2,19 +2,19 @@
 
 Every step's device metadata (slot mappings, replay rows, attention row blocks, and for
 served steps the token ids and positions) travels in one host-to-device copy, each
-field a view of it. A serving :class:`~replay_backend.reference.runner.StepRunner` copies it into
-a :class:`MetadataBuffer`, a fixed region of device memory allocated once, so the
-fields have the same address in every served step. The trim op's gather graph reads
+field a view of it. A serving backend copies it into a :class:`MetadataBuffer`, a fixed
+region of device memory allocated once at capture, so the fields have the same address
+in every served step. The trim op's gather graph reads
 the replay count and rows at the buffer's head in place: they are the first field of
 every step's layout, so no per-step copy into the graph's own index buffer is needed
 (dispatch/trim_io.py).
 
-A fixed buffer means a batch's device fields are valid until its runner builds the
+A fixed buffer means a batch's device fields are valid until its backend builds the
 next batch. The copy is queued in stream order, so a step the GPU is still running
 reads its own metadata; what cannot be allowed is a batch built, then overwritten by a
 later build, then run. Each batch records the buffer's generation when it was built and
 :meth:`MetadataBuffer.check` refuses a stale one with an error instead of running it on
-another step's metadata. A batch built elsewhere and run on the runner has its count
+another step's metadata. A batch built elsewhere and run on the model has its count
 and rows staged at the head, which makes the buffer's batches stale as well.
 """
 from __future__ import annotations
@@ -34,20 +34,24 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def metadata_capacity(max_tokens: int, max_requests: int, block_m: int = 64) -> int:
+def metadata_capacity(max_tokens: int, max_requests: int, view_fields=None) -> int | str:
     """An upper bound on the int64 elements of one step's metadata (``build_step_batch``
     with ``inputs_in_metadata``) for at most ``max_tokens`` tokens and ``max_requests``
-    requests. Per token: ids, positions, slots, ratio-2 slots, and for replay rows the
-    row, slot and position (7). The count and logits indices: 1 + requests. Attention
-    row blocks of both views: at most ``ceil(q / block_m)`` blocks per request, which
-    sums to at most ``max_tokens // block_m + max_requests``, 9 fields each. One pad
-    element after each of the 10 fields keeps the next one 16-byte aligned."""
-    blocks = max_tokens // block_m + max_requests
-    return 7 * max_tokens + 1 + max_requests + 2 * 9 * blocks + 10
+    requests, or why there is none (a ``ViewField`` without a bound). Per token: ids,
+    positions and slots, and for replay rows the row, slot and position (6); the count
+    and logits indices: 1 + requests; each field in both views. One pad element after
+    each part keeps the next one 16-byte aligned."""
+    total = 6 * max_tokens + 1 + max_requests + 7
+    for name, f in (view_fields or {}).items():
+        elements = f.capacity(max_tokens, max_requests)
+        if elements is None:
+            return f"ViewField {name!r} has no max_rows bound"
+        total += 2 * (elements + 1)
+    return total
 
 
 class MetadataBuffer:
-    """A runner's fixed device memory for its served steps' metadata."""
+    """A serving backend's fixed device memory for its served steps' metadata."""
 
     def __init__(self, capacity: int, device) -> None:
         # Zeros, not empty: the gather graph's warm-up and capture read the head before
@@ -60,8 +64,8 @@ class MetadataBuffer:
         view it occupies. The batches built before this one become stale."""
         n = flat.shape[0]
         if n > self.data.shape[0]:
-            raise ValueError(f"step metadata of {n} elements exceeds the runner's metadata buffer "
-                             f"({self.data.shape[0]}); metadata_capacity() no longer bounds build_step_batch")
+            raise ValueError(f"step metadata of {n} elements exceeds the backend's metadata buffer "
+                             f"({self.data.shape[0]}): a ViewField's max_rows is below what its build returns")
         dst = self.data[:n]
         if self.data.is_cuda:
             dst.copy_(flat.pin_memory(), non_blocking=True)  # pinned: see to_device
@@ -78,9 +82,9 @@ class MetadataBuffer:
     def check(self, generation: int) -> None:
         if generation != self.generation:
             raise RuntimeError(
-                "stale StepBatch: its device metadata lives in its runner's metadata buffer, which "
+                "stale StepBatch: its device metadata lives in its backend's metadata buffer, which "
                 "was overwritten after it was built (by a later build_batch, or by the rows of a "
-                "batch built elsewhere and run on that runner). Served steps' metadata has one "
+                "batch built elsewhere and run on that model). Served steps' metadata has one "
                 "fixed address, read in place by the trim op's graphs: run each batch before "
                 "building the next one.")
 

@@ -10,7 +10,7 @@ from replay_backend.batch import build_step_batch
 from replay_backend.kv_cache import CacheLayout
 from replay_backend.reference.kv_caches import KVCaches
 from replay_backend.reference import cache_triton
-from replay_backend.reference.attention_ops import _compress
+from replay_backend.reference.attention_ops import COMP_FIELD, COMP_SLOTS, _compress
 
 
 def check_against_reference(device: str) -> None:
@@ -30,7 +30,8 @@ def check_against_reference(device: str) -> None:
         steps = (([R("a", 7, 7), R("b", 6, 9)], [0, 2]),  # b's rows start at odd position 3
                  ([R("a", 3, 10), R("b", 1, 10), R("c", 64, 64)], [0, 2, 1]))  # 7 pairs with step 1's 6
         for reqs, blocks in steps:
-            batch = build_step_batch(reqs, [[1] * r.query_len for r in reqs], blocks, layout, cfg.window, device)
+            batch = build_step_batch(reqs, [[1] * r.query_len for r in reqs], blocks, layout, cfg.window, device,
+                                     view_fields=COMP_FIELD)
             view, t = batch.view, batch.num_tokens
             kv = rand(t + 2, d, dtype=dtype)  # padded rows past t are not written
             kv_c = rand(t + 2, 2 * d, dtype=dtype)[:, :d]  # rows of stride 2 * d
@@ -39,7 +40,7 @@ def check_against_reference(device: str) -> None:
                 want.swa[layer].index_copy_(0, view.slot_mapping, kv[:t])
                 if comp is not None:
                     _compress(layer, *comp, view, want, cfg.rms_eps)
-                    comp = (*comp, got.raw.get(layer), got.glob[layer], view.comp_slot_mapping, cfg.rms_eps)
+                    comp = (*comp, got.raw.get(layer), got.glob[layer], view.derived[COMP_SLOTS].view(-1), cfg.rms_eps)
                 cache_triton.write(kv, got.swa[layer], view.slot_mapping, t, comp)
         # fp32: the same math up to the order of one row's sum; bf16: a rounding apart
         tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else {}

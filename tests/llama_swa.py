@@ -5,26 +5,28 @@ Layers 0 .. ``full_layers - 1`` attend causally over every earlier position: lat
 steps read all of their KV, so they must see every row and are declared KV sources.
 The other layers attend over a sliding window of ``window`` positions and form the
 replay region: a prefill's later steps read only its last ``window`` rows of their KV,
-and these layers apply the bounded-replay floor in every step (SPEC §3). The model
-owns its KV cache (one key and one value tensor per layer, addressed by the step's
-slots) and its step loop (:class:`LlamaServer`).
+and these layers apply the replay floor in every step (the view they read says so).
+The model owns its KV cache (one key and one value tensor per layer, addressed by the
+step's slots) and its step loop (:class:`LlamaServer`).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from replay_backend import (CacheLayout, ForwardContext, RequestChunk, build_step_batch, declare_attention,
-                            dummy_step_batch, get_forward_context, replay_begin, replay_end, set_forward_context)
+from replay_backend import (CacheLayout, RequestChunk, StepSetup, build_step_batch, declare_attention,
+                            get_forward_context, replay_begin, replay_end, set_forward_context)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
-               window: int, floored: bool) -> None:
+               window: int) -> None:
     """Write this step's keys and values into the layer's cache, then attend, one request
     at a time, from the cache: row at position p reads positions ``[lo, p]`` with
-    ``lo = max(p - window + 1, floor)`` (``window`` 0: every earlier position)."""
+    ``lo = max(p - window + 1, floor)`` (``window`` 0: every earlier position), where the
+    floor is the request's ``kv_start`` in the replay layers (``view.replay``), else 0."""
     ctx = get_forward_context()
     view, cache = ctx.active, ctx.kv
+    floored = view.replay
     n = view.num_tokens
     kc, vc = cache.k[layer], cache.v[layer]
     kc.index_copy_(0, view.slot_mapping, k[:n].to(kc.dtype))
@@ -50,13 +52,13 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
 
 @torch.library.custom_op("llama_swa::full_attention", mutates_args=("out",))
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
-    _attention(q, k, v, out, layer, 0, False)
+    _attention(q, k, v, out, layer, 0)
 
 
 @torch.library.custom_op("llama_swa::window_attention", mutates_args=("out",))
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
                      window: int) -> None:
-    _attention(q, k, v, out, layer, window, True)
+    _attention(q, k, v, out, layer, window)
 
 
 @full_attention.register_fake
@@ -132,13 +134,16 @@ class LlamaSWA(nn.Module):
 
 class LlamaServer:
     """The model's own step loop: one cache block per request, the step protocol's
-    batch and forward context, the head on each request's last row."""
+    batch and forward context, the head on each request's last row. ``compiled``: the
+    model compiled with ``replay_backend.compile``, which builds the served batches
+    (in its fixed metadata buffer) and runs the steps; None runs the eager model."""
 
-    def __init__(self, model: LlamaSWA, forward=None, max_model_len: int = 256, max_num_seqs: int = 8) -> None:
+    def __init__(self, model: LlamaSWA, compiled=None, max_model_len: int = 256, max_num_seqs: int = 8) -> None:
         p = next(model.parameters())
-        self.model, self.forward = model, forward if forward is not None else model
+        self.model, self.compiled = model, compiled
         self.layout = CacheLayout(max_model_len, max_num_seqs)
         self.cache = LlamaCache(model, self.layout, p.device, p.dtype)
+        self.setup = StepSetup(self.layout, model.window, self.cache, p.device)
         self.device, self.blocks = p.device, {}
 
     def tokens(self, r: RequestChunk) -> torch.Tensor:
@@ -146,30 +151,31 @@ class LlamaServer:
 
     @torch.no_grad()
     def step(self, requests: list[RequestChunk]):
-        """Runs one step; returns (each request's last-row logits, the forward context)."""
+        """Runs one step; returns each request's last-row logits and what the compiled
+        model did (a ``StepResult``; None for the eager model)."""
         blocks = [self.blocks.setdefault(r.req_id, len(self.blocks)) for r in requests]
         if len(self.blocks) > self.layout.num_blocks:
             raise ValueError(f"more than max_num_seqs={self.layout.num_blocks} requests")
-        batch = build_step_batch(requests, [self.tokens(r) for r in requests], blocks, self.layout,
-                                 self.model.window, self.device)
-        ctx = ForwardContext(batch, self.cache)
-        with set_forward_context(ctx):
-            (hidden,) = self.forward(batch.input_ids, batch.positions)
-        return self.model.head(hidden[batch.logits_indices]), ctx
+        tokens = [self.tokens(r) for r in requests]
+        if self.compiled is not None:
+            batch = self.compiled.build_batch(requests, tokens, blocks)
+        else:
+            batch = build_step_batch(requests, tokens, blocks, self.layout, self.model.window, self.device)
+        with set_forward_context(self.setup.context(batch)):
+            (hidden,) = (self.compiled or self.model)(batch.input_ids, batch.positions)
+        result = self.compiled.last_step if self.compiled is not None else None
+        return self.model.head(hidden[batch.logits_indices]), result
 
-    def run_dummy(self, num_tokens: int, use_graphs: bool = True) -> None:
-        """One dummy step of ``num_tokens`` rows (writes go to the pad slot): the warm-up
-        step (``use_graphs=False``: it traces and compiles, and captures nothing) and
-        capture's step."""
-        batch = dummy_step_batch(num_tokens, self.layout, self.model.window, self.device)
-        with set_forward_context(ForwardContext(batch, self.cache, use_graphs=use_graphs)), torch.no_grad():
-            self.forward(batch.input_ids, batch.positions)
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """The compiled model's one trace: a dummy step (every write to the pad slot)
+        that captures nothing."""
+        batch = self.setup.dummy_batch(self.model.window)
+        with set_forward_context(self.setup.context(batch, use_graphs=False)):
+            self.compiled(batch.input_ids, batch.positions)
 
-    def dummy_context(self):
-        """The forward context capture runs under: the replay graphs are captured outside
-        any model step."""
-        batch = dummy_step_batch(self.model.window, self.layout, self.model.window, self.device)
-        return set_forward_context(ForwardContext(batch, self.cache))
-
-    def replay_view(self, num_rows: int):
-        return dummy_step_batch(num_rows, self.layout, self.model.window, self.device).replay.view
+    def serve(self) -> None:
+        """Warm up, capture every graph, start serving."""
+        self.warm_up()
+        self.compiled.capture(self.setup)
+        self.compiled.start_serving()

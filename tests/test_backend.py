@@ -125,7 +125,7 @@ def _ceil(sizes, n):
 
 def expected_dispatch(batch, main_sizes, replay_sizes, threshold, replay_graphs=True):
     """(kind, padded_tokens, trimmed, replay rows or None, replay padded) per SPEC §5-§6."""
-    t = max(batch.num_tokens, 2)  # the runner runs a lone decode as two rows
+    t = batch.num_tokens
     tp = _ceil(main_sizes, t)
     if tp is not None:
         kind, padded = "piecewise", tp
@@ -210,11 +210,11 @@ def test_capture_state(shared):
     m, be = shared.be.model, shared.be
     assert be.frozen and m.serving
     assert len(be.compiled) == 1
-    # every size a step can use was captured (a lone decode runs as 2 rows, so size 1
-    # is never needed), replay sizes and the replay region's below-threshold sizes too
-    assert set(MAIN_SIZES) - {1} <= set(m.captured_sizes("main"))
+    # every size a step can use was captured (a lone decode at size 1 too), replay
+    # sizes and the replay region's below-threshold sizes too
+    assert set(MAIN_SIZES) <= set(m.captured_sizes("main"))
     below = [s for s in MAIN_SIZES if s < THRESHOLD]
-    assert set(REPLAY_SIZES) | (set(below) - {1}) <= set(m.captured_sizes("replay"))
+    assert set(REPLAY_SIZES) | set(below) <= set(m.captured_sizes("replay"))
     assert len(m.runners("main")) == 5 and len(m.runners("replay")) == 5
     assert shared.summary["main"]["graphs"] == sum(len(r.graphs) for r in m.runners("main"))
     assert shared.summary["replay"]["graphs"] == sum(len(r.graphs) for r in m.runners("replay"))
@@ -228,7 +228,7 @@ COMPOSITIONS = {
         lambda: [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], "piecewise", 64, True, 32),
     "all decodes": (lambda: [R("a", 1, 30), R("b", 1, 2), R("c", 1, 100), R("d", 1, 17)],
                     "piecewise", 4, False, 4),
-    "lone decode": (lambda: [R("a", 1, 77)], "piecewise", 2, False, 2),
+    "lone decode": (lambda: [R("a", 1, 77)], "piecewise", 1, False, 1),
     "speculative decodes + prefill": (lambda: [R("s", 3, 50), R("t", 3, 20), R("p", 30, 30), R("u", 2, 9)],
                                       "piecewise", 40, False, 40),
     "one long prefill (eager step)": (lambda: [R("a", 100, 100)], "eager", 100, True, 16),
@@ -397,7 +397,7 @@ def test_served_steps_give_the_gather_graphs_their_rows_in_place(shared):
     the real rows the graph reads the step's next metadata field (slot numbers, here
     beyond the 48-token main size): clamped, they only fill padding, and the step
     matches the oracle."""
-    io, meta = shared.be.model.replay.io, shared.rc.metadata
+    io, meta = shared.be.model.replay.io, shared.be.metadata
     assert io.index.data_ptr() == meta.data.data_ptr()
     out = compare(shared, [R("z", 40, 40), R("d", 1, 20), R("e", 6, 6)], expect=dict(
         trims=1, replay_dispatch={32: 1}))  # trim_index_copies stays put
@@ -470,17 +470,13 @@ def test_trim_gathers_and_scatter_run_as_graphs(shared):
     prefill_both(shared, reqs)
     gather, scatter = io.graphs[(64, 32)]
     replays = gather.replays, scatter.replays
-    seen, entry = {}, shared.rc._direct  # served steps call the compiled model through it
+    seen = {}
 
-    def spy(*args):
-        seen["hidden"] = entry(*args)
+    def spy(*args):  # the model's output, as the runner reads it
+        seen["hidden"] = shared.rc.compiled(*args)
         return seen["hidden"]
 
-    shared.rc._direct = spy
-    try:
-        got = shared.rc.step(reqs)
-    finally:
-        shared.rc._direct = entry
+    got = shared.rc.step(reqs, forward=spy)
     check_outputs(shared, got, shared.ro.step(reqs))
     assert got.trim.io_graphs and (got.trim.rows, got.trim.padded) == (27, 32)
     assert (gather.replays, scatter.replays) == (replays[0] + 1, replays[1] + 1)
@@ -631,7 +627,7 @@ def test_metadata_in_place_switched_off(model):
     the gather graphs' own index, with the same results."""
     env = build_env(model, metadata_in_place=False)
     io = env.be.model.replay.io
-    assert env.rc.metadata is None and io.metadata is None
+    assert env.be.metadata is None and io.metadata is None
     first, second = [R("d", 1, 70), R("p", 50, 50), R("c", 10, 40)], [R("p", 40, 40), R("q", 16, 16)]
     prefill_both(env, first + second)
     a, b = env.rc.build_batch(first), env.rc.build_batch(second)
@@ -708,7 +704,7 @@ def test_recompile_after_freeze_is_an_error(model):
     # a different dtype for the token ids: the graph would have to be traced again
     with torch.inference_mode():
         odd = dataclasses.replace(batch, input_ids=batch.input_ids.to(torch.int32))
-    with pytest.raises(Exception, match="(?i)recompil"):
+    with pytest.raises(ValueError, match="input_ids is torch.int32.*needs a new trace, which is an error once serving"):
         env.rc.run(odd)
     assert len(env.be.compiled) == 1
     # and the backend itself refuses a second graph once frozen

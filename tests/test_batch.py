@@ -13,6 +13,7 @@ from replay_backend.batch import (
 )
 from replay_backend.reference.batch_spec import parse_batch_spec
 from replay_backend.kv_cache import CacheLayout
+from replay_backend.reference.attention_ops import COMP_FIELD, COMP_SLOTS, VIEW_FIELDS
 from replay_backend.reference.config import ModelConfig, preset
 from replay_backend.reference.runner import schedule_prefill
 
@@ -57,7 +58,7 @@ def test_spec_example_step_batch():
     blocks = [2, 0, 3]
     base = [2048, 0, 3072]
     ids = [[5], list(range(250)), list(range(100, 160))]
-    b = build_step_batch(SPEC_REQS, ids, blocks, layout, SPEC_W, "cpu")
+    b = build_step_batch(SPEC_REQS, ids, blocks, layout, SPEC_W, "cpu", view_fields=COMP_FIELD)
 
     assert b.num_tokens == 311
     assert b.has_trimmable_rows
@@ -75,10 +76,11 @@ def test_spec_example_step_batch():
     assert _list(b.view.slot_mapping) == slots
     assert slots[0] == 2048 + 699 and slots[1] == 0 and slots[251] == 3072 + 200
 
+    # the reference model's own per-row field: its ratio-2 compressed-cache slots
     pad = layout.num_slots // 2  # ratio-2 pad slot = last row of a [num_slots/2 + 1] cache
     assert pad == 2048
     comp = [base[o] // 2 + p // 2 if p % 2 else pad for o, p in zip(owner, pos)]
-    assert _list(b.view.comp_slot_mapping) == comp
+    assert _list(b.view.derived[COMP_SLOTS].view(-1)) == comp
     # spot checks: decode at odd position 699 completes entry 349 of its block
     assert comp[0] == 1024 + 349
     assert comp[1] == pad and comp[2] == 0  # positions 0 (even) and 1 (odd) of block 0
@@ -98,7 +100,12 @@ def test_spec_example_step_batch():
     assert rep.view.kv_start == (0, 122, 0)
     assert rep.view.cache_base == tuple(base)
     assert _list(rep.view.slot_mapping) == [slots[i] for i in rows]
-    assert rep.view.comp_slot_mapping is None
+    assert _list(rep.view.derived[COMP_SLOTS].view(-1)) == [comp[i] for i in rows]  # the kept rows'
+    # who reads which view: the layers before the region the whole batch, the replay
+    # layers the replay batch, or the whole batch marked as theirs (the floor applies)
+    assert not b.view.replay and rep.view.replay and b.region_view.replay
+    assert b.region_view.derived is b.view.derived and b.region_view.slot_mapping is b.view.slot_mapping
+    assert b.region_view.kv_start == b.view.kv_start and b.region_view.num_tokens == 311
 
 
 @pytest.mark.parametrize("qlens", [[311], [1, 250, 60], [3, 5, 7], [128, 129], [2, 2]])
@@ -110,7 +117,7 @@ def test_metadata_fields_start_16_byte_aligned_whatever_the_sizes(qlens):
     layout = CacheLayout(max_model_len=1024, num_blocks=4)
     reqs = [R(f"r{i}", q, q + 7 * i) for i, q in enumerate(qlens)]
     b = _build(reqs, layout, SPEC_W, view_fields=VIEW_FIELDS)
-    fields = {"slot_mapping": b.view.slot_mapping, "comp_slot_mapping": b.view.comp_slot_mapping,
+    fields = {"slot_mapping": b.view.slot_mapping, "comp slots": b.view.derived[COMP_SLOTS],
               "logits_indices": b.logits_indices, "count_rows": b.replay.count_rows,
               "replay slot_mapping": b.replay.view.slot_mapping, "replay positions": b.replay.positions,
               "attention blocks": b.view.derived[ATTN_BLOCKS],
@@ -437,14 +444,15 @@ def test_metadata_capacity_bounds_every_step_of_its_sizes(qlens, window):
 
     layout = CacheLayout(max_model_len=4096, num_blocks=len(qlens))
     reqs = [R(f"r{i}", q, q + 3 * i) for i, q in enumerate(qlens)]
-    buf = MetadataBuffer(metadata_capacity(sum(qlens), len(qlens)), "cpu")
-    got = _build(reqs, layout, window, inputs_in_metadata=True, metadata=buf)
-    want = _build(reqs, layout, window)
+    buf = MetadataBuffer(metadata_capacity(sum(qlens), len(qlens), VIEW_FIELDS), "cpu")
+    got = _build(reqs, layout, window, inputs_in_metadata=True, metadata=buf, view_fields=VIEW_FIELDS)
+    want = _build(reqs, layout, window, view_fields=VIEW_FIELDS)
     assert got.replay.count_rows.data_ptr() == buf.data.data_ptr()
     assert got.input_ids.untyped_storage().data_ptr() == buf.data.untyped_storage().data_ptr()
     for a, b in [(got.input_ids, want.input_ids), (got.positions, want.positions),
                  (got.logits_indices, want.logits_indices), (got.view.slot_mapping, want.view.slot_mapping),
-                 (got.view.comp_slot_mapping, want.view.comp_slot_mapping),
+                 *[(got.view.derived[k], want.view.derived[k]) for k in VIEW_FIELDS],
+                 *[(got.replay.view.derived[k], want.replay.view.derived[k]) for k in VIEW_FIELDS],
                  (got.replay.count_rows, want.replay.count_rows), (got.replay.positions, want.replay.positions),
                  (got.replay.view.slot_mapping, want.replay.view.slot_mapping)]:
         assert torch.equal(a, b)
@@ -456,7 +464,7 @@ def test_metadata_buffer_refuses_what_it_cannot_hold_and_stale_batches():
 
     layout = CacheLayout(max_model_len=1024, num_blocks=2)
     small = MetadataBuffer(16, "cpu")
-    with pytest.raises(ValueError, match=r"step metadata of \d+ elements exceeds the runner's metadata buffer \(16\)"):
+    with pytest.raises(ValueError, match=r"step metadata of \d+ elements exceeds the backend's metadata buffer \(16\)"):
         _build([R("a", 20, 20)], layout, 8, metadata=small)
     assert small.generation == 0 and not small.data.any()  # nothing written
     buf = MetadataBuffer(1024, "cpu")

@@ -414,14 +414,15 @@ def test_model_step_with_row_blocks(monkeypatch, make_runner, prompt):
 
 def _ctx(cfg, reqs, blocks, layout):
     toks = [[1] * r.query_len for r in reqs]
-    batch = build_step_batch(reqs, toks, blocks, layout, cfg.window, "cpu")
+    batch = build_step_batch(reqs, toks, blocks, layout, cfg.window, "cpu", view_fields=attention_ops.COMP_FIELD)
     return batch
 
 
 def test_attention_op_reads_caches_and_floors_only_replay_layers(cfg):
     """The custom op through the forward context: writes its SWA slots, reads the
-    request's own cache block and its source's global cache, applies the floor in the
-    replay layers only, zeroes padded rows."""
+    request's own cache block and its source's global cache, applies the floor where
+    the view it reads is the replay layers' (one op serves both sides of the cut),
+    zeroes padded rows."""
     W = cfg.window
     layout = CacheLayout(128, 3)
     caches = KVCaches(cfg, layout, "cpu", torch.float32)
@@ -438,10 +439,11 @@ def test_attention_op_reads_caches_and_floors_only_replay_layers(cfg):
     q = torch.randn(T + 3, nh, D, generator=g)
     kv = torch.randn(T + 3, D, generator=g)
     sink = torch.randn(nh, generator=g)
-    for layer, op in ((5, torch.ops.dsv41.global_attention), (2, torch.ops.dsv41.global_attention),
-                      (0, torch.ops.dsv41.swa_attention)):
+    glob_op = torch.ops.dsv41.global_attention
+    for layer, op, view in ((5, glob_op, batch.region_view), (2, glob_op, batch.view), (5, glob_op, batch.view),
+                            (0, torch.ops.dsv41.swa_attention, batch.view)):
         out = torch.full_like(q, 7.0)
-        with set_forward_context(ForwardContext(batch, caches)):
+        with set_forward_context(ForwardContext(batch, caches, active=view)):
             op(q, kv, sink, out, layer)
         swa = caches.swa[layer]
         torch.testing.assert_close(swa[batch.view.slot_mapping], kv[:T])
@@ -451,7 +453,7 @@ def test_attention_op_reads_caches_and_floors_only_replay_layers(cfg):
         for i, r in enumerate(reqs):
             base = layout.base(blocks[i])
             glob = None if src is None else caches.glob[src][base // ratio: base // ratio + r.seq_len // ratio]
-            floor = batch.view.kv_start[i] if layer in cfg.replay_layers else 0
+            floor = batch.view.kv_start[i] if view.replay else 0
             r0, r1 = batch.view.query_start_loc[i], batch.view.query_start_loc[i + 1]
             ref = naive_attention(q[r0:r1], swa[base: base + r.seq_len], glob, ratio, r.seq_len, floor,
                                   W, sink, D ** -0.5)

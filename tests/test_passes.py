@@ -189,11 +189,11 @@ def test_toy_split_plan_and_trim_op_position(cut, tail):
 
     for i, (reqs, kind, padded, trimmed, rows, rsize) in enumerate(STEPS):
         ctx, y, ref, b = run_step(compiled, model, reqs, seed=i)
-        assert (ctx.step.kind, ctx.step.padded_tokens) == (kind, padded)
-        assert (ctx.last_trim.trimmed, ctx.last_trim.padded, ctx.last_trim.graph) == (trimmed, rsize,
-                                                                                     rsize is not None)
+        res = ctx.result
+        assert (res.kind, res.padded_tokens) == (kind, padded)
+        assert (res.trimmed, res.replay_padded, res.replay_graph) == (trimmed, rsize, rsize is not None)
         if trimmed:
-            assert ctx.last_trim.rows == rows == b.replay.num_rows
+            assert res.replay_rows == rows == b.replay.num_rows
         keep = b.replay.rows_t if trimmed else torch.arange(b.num_tokens)
         torch.testing.assert_close(y[keep], ref[keep], atol=1e-5, rtol=1e-5)
         if trimmed and b.has_trimmable_rows:
@@ -215,7 +215,7 @@ def test_decoder_replay_false_leaves_no_replay_piece():
     assert plan.replay_pieces == [] and plan.replay_layers is None
     assert plan.replay_capture_sizes == []
     assert plan.replay_off_reason == "decoder_replay=false"
-    assert ctx.last_trim is None
+    assert not ctx.result.has_region and not ctx.result.trimmed
     # the replay layers ran on the whole batch inside the main graph
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
 
@@ -535,16 +535,16 @@ def test_unsupported_region_switches_replay_off_and_main_graphs_too(body):
                          trims=0, untrimmed=0):
         ctx, y, ref, b = run_step(compiled, model, STEPS[0][0])
     plan = be.model.plan
-    assert ctx.step.kind == "eager" and plan.capture_sizes == []
+    assert ctx.result.kind == "eager" and plan.capture_sizes == []
     assert plan.replay_off_reason is not None and "not row-local" in plan.replay_off_reason
     assert "replay" not in plan.pieces_by_kind("main") and plan.replay_pieces == []
     assert plan.replay_layers is None
-    assert ctx.last_trim is None
+    assert not ctx.result.has_region
     # everything ran on the whole batch, like the eager model
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     ctx, y, ref, b = run_step(compiled, model, STEPS[2][0], seed=3)  # an eager step
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
-    assert ctx.last_trim is None
+    assert not ctx.result.has_region
 
 
 def test_a_kv_source_the_model_declared_after_the_cut_switches_replay_off():

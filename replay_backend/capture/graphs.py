@@ -88,10 +88,32 @@ class GraphResources:
 class GraphLevel:
     name: str  # "main" | "replay"
     sizes: list[int]  # kept ascending (config.padded_size bisects them)
-    size: int | None = None  # padded size of the running step; None = run pieces directly
+    # The padded size its pieces run at now (None: directly), set only for the extent of
+    # one run by :meth:`at`, so no step leaves it behind for the next.
+    size: int | None = None
 
     def __post_init__(self) -> None:
         self.sizes = sorted(set(self.sizes))
+
+    def at(self, size: int | None) -> "_AtSize":
+        """Run this level's pieces at ``size`` (their graph of that size; None: directly)
+        inside a ``with``."""
+        return _AtSize(self, size)
+
+
+class _AtSize:
+    """:meth:`GraphLevel.at`'s context manager: a plain class, entered on every step."""
+
+    __slots__ = ("level", "size", "saved")
+
+    def __init__(self, level: GraphLevel, size: int | None) -> None:
+        self.level, self.size = level, size
+
+    def __enter__(self) -> None:
+        self.saved, self.level.size = self.level.size, self.size
+
+    def __exit__(self, *exc) -> None:
+        self.level.size = self.saved
 
 
 def _tensors(x) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
+from .direct import GraphCall
 from .trim_op import ReplayRuntime
 
 log = logging.getLogger("replay_backend")
@@ -36,13 +37,24 @@ class CompiledReplayModel:
         self.sizes = Sizes(main=tuple(main_level.sizes))
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
+        # 0-dim tensor arguments other than parameters: Python numbers Dynamo passes as
+        # fresh tensors on every call (``dynamic=True``), copied into fixed ones per
+        # graphed step, since captured pieces read fixed addresses. Found on the first call.
+        self.scalar_inputs: tuple[int, ...] = ()
+        self.scalars: dict[int, torch.Tensor] = {}
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).
         self.dispatch: dict[str, Counter] = {"main": Counter(), "replay": Counter()}
         self.capture_summary: dict = {}
         self.sources, self.dump_dir = sources, dump_dir
-        self.calls = calls  # the backend's CallLog (direct.py): warm-up calls to learn from
+        self.calls = calls  # the backend's CallLog (direct.py): calls through Dynamo to learn from
+        # The arguments of the first call, the token count left open (direct.GraphCall):
+        # how the backend runs dummy steps itself. The plan of the last step run.
+        self.graph_call: GraphCall | None = None
+        self.last_plan: StepPlan | None = None
+        self.grad_enabled = False  # the grad mode it was traced under (the backend sets it)
+        self.needs_context = replay is not None or any(p.kind == "attention" for p in plan.main_pieces)
 
     @property
     def serving(self) -> bool:
@@ -72,8 +84,15 @@ class CompiledReplayModel:
 
     # ---- one step -------------------------------------------------------------------
     def __call__(self, *args):
-        ctx = get_forward_context() if has_forward_context() else None
+        if self.graph_call is None:
+            self.graph_call = GraphCall.of(self, args)
+            self.scalar_inputs = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                                       and a.dim() == 0 and not isinstance(a, torch.nn.Parameter))
+        # Attention and the trim op read the step from its context: without one, say so
+        # before any piece runs.
+        ctx = get_forward_context() if has_forward_context() or self.needs_context else None
         out, plan = self._step(ctx, args)
+        self.last_plan = plan
         if plan is not None:
             self.dispatch["main"][plan.padded_tokens if plan.kind is StepKind.PIECEWISE else "eager"] += 1
             if plan.has_region:
@@ -121,11 +140,15 @@ class CompiledReplayModel:
             new[i] = buf[:tp]
         for i in self.sym_inputs:
             new[i] = tp
-        self.main_level.size = tp
-        try:
+        for i in self.scalar_inputs:
+            fixed = self.scalars.get(i)
+            if fixed is None:
+                fixed = self.scalars[i] = args[i].clone()
+            else:
+                fixed.copy_(args[i])
+            new[i] = fixed
+        with self.main_level.at(tp):
             out = self.split_gm(*new)
-        finally:
-            self.main_level.size = None
         # The outputs live in graph memory that the next step overwrites.
         return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), plan
 

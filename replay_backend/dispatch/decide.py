@@ -20,6 +20,39 @@ class StepKind(str, enum.Enum):
     EAGER = "eager"  # main layers without graphs: above the largest size, or graphs off
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one step of a compiled model did: its plan, decided before it ran.
+
+    ``kind`` says how the main layers ran: in PIECEWISE graphs at ``padded_tokens``, or
+    eagerly (``padded_tokens == num_tokens``). The replay fields describe the replay
+    layers where the model has a replay region in use (``has_region``): ``trimmed``
+    when they ran on the replay rows only, ``replay_rows`` the rows they ran on before
+    padding (the step's tokens when not trimmed), ``replay_padded`` the graph size they
+    ran at (None: without a graph), ``io_graphs`` whether the trim op's gathers and
+    scatter replayed as graphs too."""
+
+    kind: StepKind
+    num_tokens: int
+    padded_tokens: int
+    has_region: bool
+    trimmed: bool
+    replay_rows: int
+    replay_padded: int | None
+    io_graphs: bool
+
+    @property
+    def replay_graph(self) -> bool:
+        """The replay layers ran in graphs (their own, or the main graphs' when untrimmed)."""
+        return self.replay_padded is not None
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind.value, "num_tokens": self.num_tokens, "padded_tokens": self.padded_tokens,
+                "has_region": self.has_region, "trimmed": self.trimmed, "replay_rows": self.replay_rows,
+                "replay_padded": self.replay_padded, "replay_graph": self.replay_graph,
+                "io_graphs": self.io_graphs}
+
+
 class StepInfo(NamedTuple):
     """The main layers' part of a plan (``StepOutput.step``)."""
 
@@ -60,6 +93,13 @@ class StepPlan:
     replay_padded: int | None  # the region's graph size; None: it runs without graphs
     io_graphs: bool  # the trim op's gathers and scatter replay as graphs
     has_region: bool
+
+    @property
+    def result(self) -> StepResult:
+        """The plan as the public record of what the step did."""
+        rows = self.region_rows if self.trim else self.num_tokens
+        return StepResult(self.kind, self.num_tokens, self.padded_tokens, self.has_region, self.trim, rows,
+                          self.replay_padded if self.has_region else None, self.io_graphs)
 
     @property
     def step(self) -> StepInfo:

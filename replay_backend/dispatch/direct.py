@@ -1,38 +1,44 @@
-"""Served steps without Dynamo's entry: the compiled model called directly.
+"""Calling the compiled model without Dynamo's entry.
 
-After warm-up the model never traces again (a recompile is an error, SPEC §7), so on
-every served step Dynamo's entry does the same work to reach the same compiled model
-with the same arguments: it evaluates its guards (over every parameter of the model)
-and runs the prologue that loads each parameter as a graph argument: a large share of
-the host time before a graphed step's first kernel. A :class:`DirectEntry` makes that
-call itself.
+After its one trace the model never traces again, so on every later call Dynamo's
+entry does the same work to reach the same compiled model: it evaluates its guards
+(over every parameter of the model) and runs the prologue that loads each parameter as
+a graph argument, a large share of the host time before a graphed step's first kernel.
+Two records make that call instead, each learned from one call Dynamo made:
 
-It is learned from calls made through Dynamo while the runner warms up
-(:class:`CallLog` sees what Dynamo passes and what the model returns): which graph
-arguments are the forward's inputs, which are the token count, and which are fixed
-objects. A fixed argument must be a parameter or buffer of the model, and the forward
-must return one of the graph's outputs as it is; any other shape of call is not
-learned (a counted fallback: the runner then steps through Dynamo).
+* :class:`GraphCall` (every compiled model records its first call): the graph's own
+  arguments with the token-indexed ones and the token count left open, so the backend
+  runs dummy steps of any size (capture, the memory estimate) without the model's
+  forward or Dynamo.
+* :class:`DirectEntry`: the forward's arguments mapped onto the graph's, and the
+  graph's outputs onto what the forward returns, so a user's call of the compiled
+  model reaches the graph directly. Every forward tensor must be a graph argument or
+  unused, every other graph argument a parameter or buffer of the model, every other
+  forward argument a constant, and what the forward returns must be graph outputs and
+  constants; any other shape of call is not learned (a counted fallback: calls then go
+  through Dynamo).
 
-What the guards checked and the entry checks per step: each input's dtype, device and
-rank, and that the inputs agree in length. What it does not see: a parameter replaced
-by another object (the captured graphs read the old one's memory regardless: update
-weights in place), module flags such as ``training``, and global state (the runner
-steps in inference mode). ``direct_dispatch=false`` keeps Dynamo's entry on every step.
+What Dynamo's guards checked and the entry checks per call: each tensor input's dtype,
+device and rank, that the token-indexed ones agree in length and the others keep their
+shape, and that the constant arguments keep their values. What it does not see: a
+parameter replaced by another object (the graphs read the old one's memory regardless:
+update weights in place), module flags such as ``training``, and global state such as
+the grad mode. ``direct_dispatch=false`` keeps Dynamo's entry on every call.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 class CallLog:
     """The last call a backend's compiled model received while watched: the arguments
-    as Dynamo passed them and the outputs the model returned. Only warm-up steps are
-    watched, so a served step pays one attribute test."""
+    as Dynamo passed them and the outputs the model returned. Only calls through
+    Dynamo are watched, so a direct call pays one attribute test."""
 
     __slots__ = ("active", "call")
 
@@ -63,80 +69,186 @@ class CallLog:
 
 
 @dataclass(frozen=True)
+class GraphCall:
+    """A compiled model's arguments with the token count left open."""
+
+    model: Callable
+    template: tuple  # the graph's arguments, None at the token-indexed and size slots
+    tokens: tuple[tuple[int, tuple[int, ...], torch.dtype, torch.device], ...]  # slot, trailing shape, dtype, device
+    syms: tuple[int, ...]  # slots of the token count
+
+    @classmethod
+    def of(cls, model, args: tuple) -> "GraphCall":
+        token, sym = set(model.token_inputs), set(model.sym_inputs)
+        template = tuple(None if i in token or i in sym else a for i, a in enumerate(args))
+        tokens = tuple((i, tuple(args[i].shape[1:]), args[i].dtype, args[i].device) for i in sorted(token))
+        return cls(model, template, tokens, tuple(sorted(sym)))
+
+    def dummy(self, n: int):
+        """Run the model on ``n`` rows of zeros (token 0 at position 0 for an id or
+        position input): a dummy step, whose attention reads the caller's context."""
+        args = list(self.template)
+        for slot, rest, dtype, device in self.tokens:
+            args[slot] = torch.zeros((n, *rest), dtype=dtype, device=device)
+        for slot in self.syms:
+            args[slot] = n
+        return self.model(*args)
+
+
+_NOT_GRAPH = -1  # a forward tensor the graph does not read
+
+
+@dataclass(frozen=True)
 class DirectEntry:
-    """One served step's call of the compiled model, as Dynamo made it."""
+    """One forward call of the compiled model, as Dynamo made it."""
 
     model: Callable  # the compiled model (CompiledReplayModel)
-    template: tuple  # the graph's arguments, None where they change per step
-    inputs: tuple[int, ...]  # the argument slot of each forward input (-1: not a graph input)
-    tokens: tuple[int, ...]  # slots of the token count (symbolic sizes of the inputs' dim 0)
-    output: int  # the graph output the forward returns
-    specs: tuple[tuple[torch.dtype, torch.device, int], ...]  # each input's dtype, device, rank
-    names: tuple[str, ...]  # the inputs' names, for errors
+    template: tuple  # the graph's arguments, None where they change per call
+    params: tuple[str, ...]  # the forward's parameters in order (for positional calls)
+    inputs: tuple[tuple[str, int, bool], ...]  # (name, graph slot or _NOT_GRAPH, token-indexed) per tensor
+    specs: tuple[tuple[torch.dtype, torch.device, tuple[int, ...] | int], ...]  # dtype, device, shape (rank if token)
+    constants: tuple[tuple[str, Any], ...]  # the forward's other arguments and their traced values
+    tokens: tuple[int, ...]  # slots of the token count
+    outputs: tuple[int | None, ...]  # per leaf of the result: the graph output, or None for a constant
+    constant_leaves: tuple  # the constant leaves, in order
+    spec: Any  # the result's pytree structure
+    grad_enabled: bool  # the grad mode of the traced call (a guard of Dynamo's)
 
-    def check(self, inputs: Sequence[torch.Tensor]) -> int:
-        """Raise on inputs Dynamo's guards would have refused (a recompile, an error
-        after warm-up), naming the input; else return the token count."""
-        n = inputs[0].shape[0]
-        for name, x, (dtype, device, rank) in zip(self.names, inputs, self.specs):
-            if x.dtype != dtype or x.device != device or x.dim() != rank or x.shape[0] != n:
-                raise ValueError(
-                    f"direct dispatch: input {name} is {x.dtype} {tuple(x.shape)} on {x.device}, but the "
-                    f"model was traced with {dtype} of rank {rank} on {device}, as many rows as "
-                    f"{self.names[0]} ({n}): that needs a recompile, which is an error after warm-up")
-        return n
+    def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if len(args) > len(self.params):
+            raise TypeError(f"forward takes {len(self.params)} arguments, got {len(args)}")
+        bound = dict(zip(self.params, args))
+        bound.update(kwargs)
+        return bound
 
-    def __call__(self, *inputs: torch.Tensor) -> Any:
-        n = self.check(inputs)
+    def mismatch(self, bound: Mapping[str, Any]) -> str | None:
+        """What about these arguments Dynamo would have traced anew, or None."""
+        if torch.is_grad_enabled() != self.grad_enabled:
+            return (f"grad mode is {'on' if torch.is_grad_enabled() else 'off'}, traced with it "
+                    f"{'on' if self.grad_enabled else 'off'} (run steps under torch.no_grad or inference_mode)")
+        n = None
+        for (name, _, token), (dtype, device, shape) in zip(self.inputs, self.specs):
+            x = bound.get(name)
+            if not isinstance(x, torch.Tensor):
+                return f"input {name} is {type(x).__name__}, traced as a tensor"
+            if x.dtype != dtype or x.device != device:
+                return f"input {name} is {x.dtype} on {x.device}, traced as {dtype} on {device}"
+            if token:
+                if x.dim() != shape:
+                    return f"input {name} has rank {x.dim()}, traced with rank {shape}"
+                if n is None:
+                    n = x.shape[0]
+                elif x.shape[0] != n:
+                    return f"input {name} has {x.shape[0]} rows, the other token inputs {n}"
+            elif tuple(x.shape) != shape:
+                return f"input {name} has shape {tuple(x.shape)}, traced with {shape}"
+        for name, value in self.constants:
+            got = bound.get(name, value)
+            if got is not value and not _same_constant(got, value):
+                return f"argument {name} is {got!r}, traced as {value!r}"
+        return None
+
+    def __call__(self, bound: Mapping[str, Any]) -> Any:
+        """Call the graph with ``bound`` (the forward's arguments by name, checked by
+        :meth:`mismatch`) and return what the forward would."""
         args = list(self.template)
-        for slot, x in zip(self.inputs, inputs):
-            if slot >= 0:
+        n = None
+        for name, slot, token in self.inputs:
+            x = bound[name]
+            if slot != _NOT_GRAPH:
                 args[slot] = x
+            if token and n is None:
+                n = x.shape[0]
         for slot in self.tokens:
             args[slot] = n
-        return self.model(*args)[self.output]
+        out = self.model(*args)
+        if len(self.outputs) == 1 and self.outputs[0] is not None and self.spec is None:
+            return out[self.outputs[0]]  # the common case: the forward returns one graph output
+        consts = iter(self.constant_leaves)
+        leaves = [out[i] if i is not None else next(consts) for i in self.outputs]
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
-def learn(model, args: tuple, outputs: tuple, inputs: Sequence[torch.Tensor], result,
-          names: Sequence[str], fixed_ids: set[int]) -> DirectEntry | str:
+def _same_constant(a, b) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a plain equality is not the traced one
+        return False
+
+
+_CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def learn(model, args: tuple, outputs: tuple, bound: Mapping[str, Any], params: Sequence[str], result,
+          fixed_ids: set[int]) -> DirectEntry | str:
     """The direct entry for ``model`` (a CompiledReplayModel) from one call Dynamo made
-    to it (its ``args`` and ``outputs``) for the forward's ``inputs``, which returned
-    ``result``; or why it cannot be learned. ``fixed_ids``: the ids of the model's
-    parameters and buffers, the only objects a served step may pass unchanged."""
-    n = inputs[0].shape[0]
+    to it (its ``args`` and ``outputs``) for the forward arguments ``bound`` (by name;
+    ``params`` in the forward's order), which returned ``result``; or why it cannot be
+    learned. ``fixed_ids``: the ids of the model's parameters and buffers, the only
+    objects a later call may pass unchanged."""
     token, sym = set(model.token_inputs), set(model.sym_inputs)
-    slots = [-1] * len(inputs)
-    where = {id(x): k for k, x in enumerate(inputs)}
+    tensors = {name: x for name, x in bound.items() if isinstance(x, torch.Tensor)}
+    where = {id(x): name for name, x in tensors.items()}
+    slot_of: dict[str, int] = {}
+    n = None
     for i, a in enumerate(args):
-        k = where.get(id(a))
-        if k is not None:
-            if i not in token:
-                return f"graph argument {i} is input {names[k]}, which is not dynamic in the token count"
-            slots[k] = i
+        name = where.get(id(a))
+        if name is not None:
+            slot_of[name] = i
+            if i in token:
+                n = a.shape[0]
         elif i in token:
             return f"graph argument {i} is token-indexed but none of the forward's inputs"
-        elif i in sym:
-            if a != n:
-                return f"graph argument {i} is a symbolic size {a!r}, not the token count {n}"
-        elif not (isinstance(a, torch.Tensor) and id(a) in fixed_ids):
+        elif i not in sym and not (isinstance(a, torch.Tensor) and id(a) in fixed_ids):
             return (f"graph argument {i} ({type(a).__name__}) is neither a forward input, the token "
                     "count, nor a parameter or buffer of the model")
-    hits = [j for j, o in enumerate(outputs) if o is result]
-    if len(hits) != 1:
-        return "the forward does not return exactly one of the compiled graph's outputs as it is"
-    per_step = set(slots) | sym
-    template = tuple(None if i in per_step else a for i, a in enumerate(args))
-    return DirectEntry(model, template, tuple(slots), tuple(sorted(sym)), hits[0],
-                       tuple((x.dtype, x.device, x.dim()) for x in inputs), tuple(names))
+    for i in sym:
+        if args[i] != n:
+            return f"graph argument {i} is a symbolic size {args[i]!r}, not the token count {n}"
+    constants = []
+    for name, x in bound.items():
+        if name in tensors:
+            continue
+        if not isinstance(x, _CONSTANT_TYPES):
+            return f"forward argument {name} is a {type(x).__name__}, not a tensor or a plain constant"
+        constants.append((name, x))
+    inputs, specs = [], []
+    for name, x in tensors.items():
+        slot = slot_of.get(name, _NOT_GRAPH)
+        is_token = slot in token
+        inputs.append((name, slot, is_token))
+        specs.append((x.dtype, x.device, x.dim() if is_token else tuple(x.shape)))
+    if n is None:
+        return "no forward input is token-indexed in the compiled graph"
+    leaves, spec = pytree.tree_flatten(result)
+    position = {id(o): j for j, o in enumerate(outputs) if isinstance(o, torch.Tensor)}
+    outs, const_leaves = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            j = position.get(id(leaf))
+            if j is None:
+                return "the forward returns a tensor that is not one of the compiled graph's outputs as it is"
+            outs.append(j)
+        elif isinstance(leaf, _CONSTANT_TYPES):
+            outs.append(None)
+            const_leaves.append(leaf)
+        else:
+            return f"the forward returns a {type(leaf).__name__}, not a tensor or a plain constant"
+    bare = isinstance(result, torch.Tensor)
+    per_call = set(slot_of.values()) | sym
+    template = tuple(None if i in per_call else a for i, a in enumerate(args))
+    return DirectEntry(model, template, tuple(params), tuple(inputs), tuple(specs), tuple(constants),
+                       tuple(sorted(sym)), tuple(outs), tuple(const_leaves), None if bare else spec,
+                       torch.is_grad_enabled())
 
 
 def for_serving(learned: DirectEntry | str | None, compiled: Sequence) -> DirectEntry | str:
-    """The entry served steps take, given what the warm-up steps taught (``learned``)
-    and the backend's compiled models; or why they go through Dynamo."""
+    """The entry calls take, given what was learned (``learned``) and the backend's
+    compiled models; or why they go through Dynamo."""
     if len(compiled) > 1:
         return f"the backend compiled {len(compiled)} graphs, and Dynamo's guards choose among them"
     if learned is None:
-        return "no warm-up step of this runner ran through Dynamo to learn from"
+        return "no call through Dynamo ran to learn from"
     if not isinstance(learned, str) and learned.model is not compiled[0]:
-        return "the warm-up steps called another compiled model"
+        return "the calls went to another compiled model"
     return learned

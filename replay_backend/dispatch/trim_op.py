@@ -104,12 +104,11 @@ class ReplayRuntime:
         return views
 
     def run_region(self, inputs, consts, size: int | None):
-        self.level.size = size
         t0 = time.perf_counter()
         try:
-            return self.region(inputs[0].shape[0], *inputs, *consts)
+            with self.level.at(size):
+                return self.region(inputs[0].shape[0], *inputs, *consts)
         finally:
-            self.level.size = None
             self._region_s += time.perf_counter() - t0
 
     def plan(self, batch, num_tokens: int, use_graphs: bool = True) -> StepPlan:
@@ -141,7 +140,7 @@ class ReplayRuntime:
         if self.io is not None and plan.kind is StepKind.PIECEWISE and self.res.lifecycle.capturing_main:
             self.io.remember(plan.padded_tokens, rows, outs)
         bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
-        with ctx.activate(rep.view if plan.trim else batch.view, size):
+        with ctx.activate(rep.view if plan.trim else batch.region_view, size):
             if plan.io_graphs:
                 if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
                     self.io.stage(rep.count_rows)

@@ -155,10 +155,12 @@ class FlashInferAttention:
         Parts whose wrappers still hold this view's plan are not planned again."""
         if size is not None:
             self._prepare(view, size, self.parts.replay_layers)
-        elif view.comp_slot_mapping is not None:  # the whole batch: every layer may read it
-            self._prepare(view, "main", self.parts.every)
-        else:
+        elif view.trimmed:  # the replay rows: the replay layers read them
             self._prepare(view, "replay", self.parts.replay_layers)
+        elif view.replay:  # the whole batch as the replay layers read it (plans shared with it)
+            self._prepare(view, "main", self.parts.replay_layers)
+        else:  # the whole batch: every layer may read it
+            self._prepare(view, "main", self.parts.every)
 
     @torch.inference_mode(False)
     def prepare_main(self, view) -> None:

@@ -33,8 +33,29 @@ def attn_row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int
     return int64_tensor(attention_triton.row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window))
 
 
-# What a runner passes to ``build_step_batch`` for this model's attention.
-VIEW_FIELDS = {ATTN_BLOCKS: ViewField(attn_row_blocks, attention_triton.NUM_FIELDS)}
+def attn_max_blocks(max_tokens: int, max_requests: int) -> int:
+    """The most row blocks of one view: at most ``ceil(q / BLOCK_M)`` per request."""
+    return max_tokens // attention_triton.BLOCK_M + max_requests
+
+
+# The slots of the ratio-2 compressed global caches, one per row: the model's own
+# arithmetic on the step protocol's slots (kv_caches.py), sent with the step's metadata.
+COMP_SLOTS = "comp_slots"
+
+
+def comp_slots(positions: torch.Tensor, slots: torch.Tensor, layout) -> torch.Tensor:
+    """Global entry m of a ratio-2 cache pools positions 2m and 2m+1; it is written when
+    its odd position arrives (the even one is already in the raw cache), so even
+    positions, and rows writing the pad slot, write the compressed cache's pad slot."""
+    pad = layout.num_slots // 2
+    return torch.where((positions % 2 == 1) & (slots < layout.pad_slot), slots // 2, pad)
+
+
+# What a runner passes to ``build_step_batch`` for this model: the compressed slots,
+# and the Triton kernel's row blocks where it attends.
+COMP_FIELD = {COMP_SLOTS: ViewField(comp_slots, per_row=True)}
+VIEW_FIELDS = {**COMP_FIELD,
+               ATTN_BLOCKS: ViewField(attn_row_blocks, attention_triton.NUM_FIELDS, max_rows=attn_max_blocks)}
 
 # The view's longest sequence, kept in ``AttnView.derived``: it bounds the global keys
 # any row reads, which sizes the attention kernel's split (attention_triton.split_plan).
@@ -109,7 +130,7 @@ def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w:
     hd = kv_c.shape[-1]
     weights = torch.softmax(pair[..., hd:], dim=1)
     pooled = (weights * pair[..., :hd]).sum(1)
-    glob.index_copy_(0, view.comp_slot_mapping, rms_norm(pooled, norm_w, eps).to(glob.dtype))
+    glob.index_copy_(0, view.derived[COMP_SLOTS].view(-1), rms_norm(pooled, norm_w, eps).to(glob.dtype))
 
 
 def _use_triton(impl: str, device: torch.device) -> bool:
@@ -133,10 +154,11 @@ def effective_attention(impl: str, device) -> str:
 
 
 def view_fields(impl: str, device) -> dict:
-    """The per-view metadata a runner builds with each batch for ``impl`` on ``device``:
-    the Triton kernel's row blocks, or nothing. Building blocks no kernel reads costs a
-    FlashInfer or reference step host time before its first kernel, growing with its rows."""
-    return VIEW_FIELDS if effective_attention(impl, device) == "triton" else {}
+    """The metadata a runner builds with each batch for ``impl`` on ``device``: the
+    compressed slots, and the Triton kernel's row blocks where it attends. Building
+    blocks no kernel reads costs a FlashInfer or reference step host time before its
+    first kernel, growing with its rows."""
+    return VIEW_FIELDS if effective_attention(impl, device) == "triton" else COMP_FIELD
 
 
 def split_warmup_seq_len(cfg, max_model_len: int, device) -> int:
@@ -167,15 +189,15 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     n = view.num_tokens
     if q.shape[0] < n:
         raise RuntimeError(f"layer {layer}: attention got {q.shape[0]} rows for {n} tokens")
-    if compress is not None and view.comp_slot_mapping is None:
-        raise RuntimeError(f"layer {layer} is a KV source and cannot run on a replay batch")
+    if compress is not None and view.replay:
+        raise RuntimeError(f"layer {layer} is a KV source and cannot run in the replay region")
     swa = caches.swa[layer]
     use_triton = _use_triton(cfg.attention_impl, q.device)
     if use_triton:
         if compress is not None:
             kv_c, gate, norm_w = compress
             compress = (kv_c, gate, norm_w, caches.raw.get(layer), caches.glob[layer],
-                        view.comp_slot_mapping, cfg.rms_eps)
+                        view.derived[COMP_SLOTS].view(-1), cfg.rms_eps)
         cache_triton.write(kv, swa, view.slot_mapping, n, compress)
     else:
         swa.index_copy_(0, view.slot_mapping, kv[:n].to(swa.dtype))
@@ -184,8 +206,9 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     src = cfg.global_source(layer)
     glob = caches.glob[src] if src is not None else None
     ratio = cfg.compress_ratio(src) if src is not None else 1
-    # The floor of SPEC §3 binds replay layers only, in every step, trimmed or not.
-    floored = layer > cfg.cut
+    # The replay floor binds the replay layers only, in every step, trimmed or not: the
+    # view says whether they read it.
+    floored = view.replay
     scale = q.shape[-1] ** -0.5
     if cfg.attention_impl == "flashinfer":
         attention_flashinfer.attend(q, out, swa, glob, ratio, view, floored, sink)

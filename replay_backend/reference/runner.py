@@ -1,23 +1,25 @@
-"""A minimal step runner: owns the KV caches, builds each step's metadata, runs the model.
+"""A minimal step runner: owns the KV caches and the requests' blocks, runs steps.
 
 It serves mixed steps (prefill chunks with cached context, decodes, requests that keep
 all rows) and prefill-only runs of long prompts chunked by ``max_num_batched_tokens``.
-The model callable may be the eager model or a ``torch.compile``-d one; the runner
-only sets the forward context around the call and runs the head on last rows.
+The model is the eager one, or compiled with a ``ReplayBackend`` through
+``replay_backend.compile``, whose compiled model owns serving (capture, direct calls,
+the fixed metadata buffer): the runner is a client of that public API. It sets the
+forward context around each call and runs the head on last rows, and on every row of
+a request that asks for prompt logprobs (``keep_all``).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ..batch import RequestChunk, StepBatch, build_step_batch, dummy_step_batch, validate_requests
-from ..dispatch.decide import StepInfo, TrimRecord
+from ..dispatch.decide import StepInfo, StepResult, TrimRecord
 from ..forward_context import ForwardContext, set_forward_context
 from ..kv_cache import CacheLayout
 from .kv_caches import KVCaches
@@ -25,9 +27,7 @@ from . import attention_ops
 from . import attention_triton
 from .attention_flashinfer import FlashInferAttention, check_supported
 from .dsv41_mini import DSv41Mini
-from ..dispatch import direct
-from ..step_metadata import MetadataBuffer, metadata_capacity
-from ..tracing.dynamic import call_dynamic
+from ..serving import ReplayCompiled, StepSetup
 
 log = logging.getLogger("replay_backend")
 
@@ -36,8 +36,25 @@ log = logging.getLogger("replay_backend")
 class StepOutput:
     logits: torch.Tensor  # [R, vocab] fp32, each request's last row
     batch: StepBatch
-    step: StepInfo | None  # set when the compiled backend ran the step
-    trim: TrimRecord | None  # what the trim op did, None without a replay region
+    result: StepResult | None  # what the compiled model did (None: the eager model ran)
+    # Per request that keeps all rows: the log-probability each of its rows gives the
+    # prompt token at the next position ([rows] fp32; the last row's next token is the
+    # one after the chunk, where the cache has room for it).
+    prompt_logprobs: dict = field(default_factory=dict)
+
+    @property
+    def step(self) -> StepInfo | None:
+        """The main layers' part of ``result`` (kind, tokens, padded tokens)."""
+        r = self.result
+        return StepInfo(r.kind.value, r.num_tokens, r.padded_tokens) if r is not None else None
+
+    @property
+    def trim(self) -> TrimRecord | None:
+        """The replay region's part of ``result``, None without a region."""
+        r = self.result
+        if r is None or not r.has_region:
+            return None
+        return TrimRecord(r.trimmed, r.replay_rows, r.replay_padded, r.replay_graph, r.io_graphs)
 
 
 class PromptTokens:
@@ -107,31 +124,24 @@ class StepRunner:
                                                  max_model_len, self.device, self.dtype, attention_wrapper_factory,
                                                  strict=backend is not None and backend.config.strict)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.forward = forward if forward is not None else model
-        # With a ReplayBackend the runner compiles the model itself, so it can capture
-        # graphs and turn a recompile after warm-up into an error; with both, ``forward``
-        # is the model already compiled through ``backend`` (one trace, several backends).
+        prepare = self.attention.prepare if self.attention is not None else None
+        self.setup = StepSetup(self.layout, self.cfg.window, self.kv, self.device, self.view_fields, prepare)
+        # With a ReplayBackend the model is compiled through it (``forward``: a
+        # torch.compile-d callable that routes the trace into it, one trace for several
+        # backends); the compiled model serves every step, this runner only calls it.
         self.backend = backend
-        if backend is not None and forward is None:
-            self.forward = torch.compile(model, backend=backend, fullgraph=True)
+        self.compiled: ReplayCompiled | None = None
+        if backend is not None:
+            self.compiled = ReplayCompiled(model, ("input_ids", "positions"), backend, traced=forward,
+                                           setup=self.setup)
+            self.forward = self.compiled
+        else:
+            self.forward = forward if forward is not None else model
         self._blocks: dict[Any, int] = {}
         self._cached: dict[Any, int] = {}  # positions in cache per request, after its last step
-        # Direct dispatch (dispatch/direct.py): what the warm-up steps taught, and the entry
-        # served steps take once serving started.
-        self._learned: direct.DirectEntry | str | None = None
-        self._direct: direct.DirectEntry | None = None
-        self._fixed: set[int] | None = None
         # capture()'s step that builds the attention's split variants, seconds (None: no
         # such step ran: no Triton, the split off, or no context long enough to split)
         self.split_warmup_s: float | None = None
-        # Served steps' metadata goes to one fixed address (step_metadata.py), which the
-        # trim op's gather graphs read in place; warm-up batches get fresh memory. Its
-        # head holds the count and rows of any replay size (<= the backend's token limit).
-        self.metadata = None
-        if backend is not None and backend.config.metadata_in_place:
-            capacity = max(metadata_capacity(max_num_batched_tokens, max_num_seqs),
-                           backend.config.max_num_batched_tokens + 1)
-            self.metadata = MetadataBuffer(capacity, self.device)
 
     # ---- cache blocks --------------------------------------------------------------
     def block_of(self, req_id) -> int:
@@ -176,10 +186,10 @@ class StepRunner:
         self._check_context(requests)
         blocks = self._claim_blocks([r.req_id for r in requests])  # the last check: it claims blocks
         tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
+        if self.compiled is not None:  # as the compiled model serves it (its metadata buffer)
+            return self.compiled.build_batch(requests, tokens, blocks, self.max_num_batched_tokens)
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
-                                self.max_num_batched_tokens, inputs_in_metadata=self._direct is not None,
-                                metadata=self.metadata if self._serving() else None,
-                                view_fields=self.view_fields)
+                                self.max_num_batched_tokens, view_fields=self.view_fields)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
@@ -190,23 +200,30 @@ class StepRunner:
                              f"this runner has {self.layout} and window {self.cfg.window}: build it with "
                              "this runner's build_batch")
         fwd = forward if forward is not None else self.forward
-        compiled = fwd is self.forward and self.backend is not None
-        ctx = self._context(batch, compiled and self.backend.replays_in_region, eager_replay=eager_replay,
-                            use_graphs=use_graphs)
-        ids, pos = batch.input_ids, batch.positions
-        if compiled and batch.num_tokens == 1:
-            # torch specialises size-1 dimensions, so a one-token trace would be a second
-            # graph: a lone decode runs as two rows, the second a pad row (token 0 at
-            # position 0) that attention ignores and whose KV goes to the pad slot.
-            ids, pos = torch.cat([ids, ids.new_zeros(1)]), torch.cat([pos, pos.new_zeros(1)])
+        in_region = fwd is self.compiled and self.backend.replays_in_region
+        ctx = self._context(batch, in_region, eager_replay=eager_replay, use_graphs=use_graphs)
         with set_forward_context(ctx):
-            hidden = self._run_compiled(ids, pos) if compiled else fwd(ids, pos)
+            hidden = fwd(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         for i, r in enumerate(batch.requests):  # the cache now holds each request's chunk
             block = self._blocks.get(r.req_id)  # none for capture's dummy requests
             if block is not None and self.layout.base(block) == batch.view.cache_base[i]:
                 self._cached[r.req_id] = r.seq_len
-        return StepOutput(logits, batch, ctx.step, ctx.last_trim)
+        return StepOutput(logits, batch, ctx.result, self._prompt_logprobs(batch, hidden))
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict:
+        """Each keep-all request's log-probabilities of its next prompt tokens (every
+        row of such a request holds its result: it is never trimmed)."""
+        out = {}
+        qsl = batch.view.query_start_loc
+        for i, r in enumerate(batch.requests):
+            if not r.keep_all:
+                continue
+            nxt = self.tokens(r.req_id, r.context_len + 1, min(r.seq_len + 1, self.layout.max_model_len))
+            rows = hidden[qsl[i]:qsl[i] + nxt.shape[0]]
+            lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            out[r.req_id] = lp.gather(1, nxt.to(lp.device)[:, None])[:, 0]
+        return out
 
     def step(self, requests: Iterable[RequestChunk], eager_replay: str = "off",
              forward: Callable | None = None) -> StepOutput:
@@ -234,60 +251,27 @@ class StepRunner:
             self.prefill(prompts, eager_replay, forward)
 
     # ---- compiled models ------------------------------------------------------------
-    def _run_compiled(self, ids: torch.Tensor, pos: torch.Tensor):
-        if self._direct is not None:
-            return self._direct(ids, pos)
-        be = self.backend
-        if be.frozen:
-            return call_dynamic(self.forward, (ids, pos), True, ids, pos)
-        watch = be.calls.watch() if be.config.direct_dispatch else contextlib.nullcontext()
-        with watch:
-            hidden = call_dynamic(self.forward, (ids, pos), False, ids, pos)
-        call = be.calls.take()  # None when not watched
-        if call is not None:  # learn how served steps can call the model without Dynamo
-            if self._fixed is None:
-                self._fixed = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
-            self._learned = direct.learn(*call, (ids, pos), hidden, ("input_ids", "positions"), self._fixed)
-        return hidden
-
-    def _serving(self) -> bool:
-        return self.backend is not None and self.backend.lifecycle.serving
-
     def start_serving(self) -> None:
-        """Warm-up is over: a recompile is an error from now on, and served steps call
-        the compiled model directly (``direct_dispatch``, dispatch/direct.py) as the
-        warm-up steps taught, or through Dynamo where that could not be learned (a
-        counted fallback). :meth:`capture` ends with this; without graphs call it after
-        the warm-up steps."""
-        if self.backend is None:
+        """Warm-up is over: a recompile is an error from now on, and served steps are
+        built into the compiled model's fixed metadata buffer. :meth:`capture` ends with
+        this; without graphs call it after the warm-up steps."""
+        if self.compiled is None:
             raise RuntimeError("start_serving needs a StepRunner built with backend=ReplayBackend(...)")
-        be = self.backend
-        compiled = be.model
-        be.start_serving()
-        self._direct = None
-        if not be.config.direct_dispatch:
-            return
-        learned = direct.for_serving(self._learned, be.compiled)
-        if isinstance(learned, str):
-            compiled.res.fallback("direct_dispatch", f"served steps go through Dynamo's entry: {learned}")
-            return
-        self._direct = learned
-        log.info("dsv41_replay: served steps call the compiled model directly (%d graph arguments, %d fixed)",
-                 len(learned.template), sum(a is not None for a in learned.template))
+        self.compiled.start_serving(self.setup)
 
     @torch.inference_mode()
     def dummy_batch(self, num_tokens: int, context: int = 0) -> StepBatch:
         """:func:`~replay_backend.batch.dummy_step_batch` for this runner's cache."""
-        return dummy_step_batch(num_tokens, self.layout, self.cfg.window, self.device, context,
-                                self.view_fields)
+        return self.setup.dummy_batch(num_tokens, context)
 
-    def _compiled_for_capture(self):
-        if self.backend is None:
+    def _compiled_for_capture(self) -> ReplayCompiled:
+        if self.compiled is None:
             raise RuntimeError("graphs need a StepRunner built with backend=ReplayBackend(...)")
-        # Trace and compile on a step that captures nothing: graphs come from capture(),
-        # in its order (main then replay, largest first).
-        self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
-        return self.backend.model
+        if not self.backend.has_run:
+            # Trace and compile on a step that captures nothing: graphs come from
+            # capture(), in its order (main then replay, largest first).
+            self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
+        return self.compiled
 
     def plan_batch(self, batch: StepBatch, in_region: bool) -> None:
         """The attention's host-side plans of ``batch``'s whole view (FlashInfer's; none
@@ -308,16 +292,9 @@ class StepRunner:
         prepare = self.attention.prepare if self.attention is not None else None
         return ForwardContext(batch, self.kv, prepare_view=prepare, **kw)
 
-    def _dummy_context(self):
-        # Replay graphs run outside any model step, under a dummy context.
-        return set_forward_context(self._context(self.dummy_batch(self.cfg.window)))
-
     def estimate_graph_memory(self):
         """Graph memory :meth:`capture` would take (CUDA), measured without capturing."""
-        compiled = self._compiled_for_capture()
-        with self._dummy_context(), torch.inference_mode():
-            return compiled.estimate_graph_memory(lambda n: self.run(self.dummy_batch(n), use_graphs=False),
-                                                  lambda n: self.dummy_batch(n).replay.view)
+        return self._compiled_for_capture().estimate_graph_memory(self.setup)
 
     def capture(self) -> dict:
         """Warm up (a compile step, then a long-context step where the attention can
@@ -325,11 +302,10 @@ class StepRunner:
 
         Returns the per-runner capture summary. Without CUDA the same sequence runs
         with emulated graphs."""
-        self._compiled_for_capture()
+        compiled = self._compiled_for_capture()
         self._build_split_attention()  # before capture, whose end starts the served-step counts
-        with self._dummy_context(), torch.inference_mode():
-            summary = self.backend.capture(lambda n: self.run(self.dummy_batch(n)),
-                                           lambda n: self.dummy_batch(n).replay.view, self.metadata)
+        with torch.inference_mode():
+            summary = compiled.capture(self.setup)
         self.start_serving()
         return summary
 

@@ -31,19 +31,29 @@ BEGIN_OP = "dsv41_replay::replay_begin"
 END_OP = "dsv41_replay::replay_end"
 
 
-def _should_gather() -> bool:
+def _uncompiled_context():
+    """The step's forward context where the model runs uncompiled, else None: in a
+    compiled model (its plan set) the backend runs the region and points attention at
+    the replay layers' view itself, and the markers are the identity."""
     if not has_forward_context():
-        return False
+        return None
     ctx = get_forward_context()
+    return ctx if ctx.plan is None else None
+
+
+def _gathers(ctx) -> bool:
     return ctx.eager_replay == "parent" and ctx.batch.has_trimmable_rows
 
 
 @torch.library.custom_op(BEGIN_OP, mutates_args=(),
                           tags=torch_compat.step_dependent_tags())
 def _replay_begin(xs: list[torch.Tensor], window: int = 0) -> list[torch.Tensor]:
-    if not _should_gather():
+    ctx = _uncompiled_context()
+    if ctx is None:
         return [x.clone() for x in xs]
-    ctx = get_forward_context()
+    if not _gathers(ctx):
+        ctx.point_at(ctx.batch.region_view)  # every row, read as the replay layers read it
+        return [x.clone() for x in xs]
     rep = ctx.batch.replay
     ctx.point_at(rep.view)  # restored by replay_end
     return [x.index_select(0, rep.rows_t) for x in xs]
@@ -57,10 +67,12 @@ def _(xs, window=0):
 @torch.library.custom_op(END_OP, mutates_args=(),
                           tags=torch_compat.step_dependent_tags())
 def _replay_end(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    if not _should_gather():
+    ctx = _uncompiled_context()
+    if ctx is None:
         return [x.clone() for x in xs]
-    ctx = get_forward_context()
     ctx.active = ctx.batch.view
+    if not _gathers(ctx):
+        return [x.clone() for x in xs]
     n = ctx.batch.num_tokens
     rows = ctx.batch.replay.rows_t
     return [x.new_zeros((n, *x.shape[1:])).index_copy_(0, rows, x) for x in xs]
