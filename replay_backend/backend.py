@@ -51,6 +51,9 @@ class ReplayBackend:
                  dp_group=None, **options: Any) -> None:
         if config is not None and options:
             raise ValueError("pass either a ReplayConfig or options, not both")
+        if config is not None and not isinstance(config, ReplayConfig):
+            raise ValueError(f"ReplayBackend(config=...) takes a ReplayConfig, got {type(config).__name__}: pass "
+                             "options as keywords, e.g. ReplayBackend(compiler='eager')")
         self.config = config if config is not None else ReplayConfig.from_options(options)
         # Identical pieces compile once; pass one cache to several backends to share.
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache()

@@ -27,6 +27,7 @@ from . import attention_ops
 from . import attention_triton
 from .attention_flashinfer import FlashInferAttention, check_supported
 from .dsv41_mini import DSv41Mini
+from ..config import MAX_NUM_BATCHED_TOKENS, check_size
 from ..serving import ReplayCompiled, StepSetup
 
 log = logging.getLogger("replay_backend")
@@ -106,6 +107,9 @@ class StepRunner:
         """``attention_wrapper_factory``: for ``attention_impl="flashinfer"``, what makes
         the FlashInfer wrappers (attention_flashinfer.FlashInferAttention; the CPU tests
         pass an emulation), by default FlashInfer's own."""
+        # Sizes first, before anything is allocated from them.
+        check_size("StepRunner.max_num_batched_tokens", max_num_batched_tokens, hi=MAX_NUM_BATCHED_TOKENS,
+                   why="a step's metadata and buffers are sized for its tokens")
         p = next(model.parameters())
         self.model = model
         self.cfg = model.cfg
