@@ -183,11 +183,12 @@ class ReplayBackend:
         self.start_serving()
 
     def build_batch(self, requests, token_ids, blocks, max_num_batched_tokens: int | None = None,
-                    inputs_in_metadata: bool = False):
+                    inputs_in_metadata: bool = False, *, owner=None):
         """A step's ``StepBatch`` from its setup: once serving, in the backend's fixed
         metadata buffer (valid until the next build: run each batch before building the
         next). ``inputs_in_metadata``: only for a caller that reaches the compiled model
-        directly (``ReplayCompiled`` does)."""
+        directly (``ReplayCompiled`` does). ``owner``: who builds it, whose blocks
+        ``blocks`` are (``StepBatch.owner``)."""
         if self.setup is None:
             raise RuntimeError("dsv41_replay: build_batch() needs the model's StepSetup: pass it to capture() or "
                                "start_serving(), or build batches with replay_backend.build_step_batch")
@@ -197,7 +198,8 @@ class ReplayBackend:
             limit = min(limit, max_num_batched_tokens)
         return build_step_batch(requests, token_ids, blocks, s.layout, s.window, s.device, limit,
                                 inputs_in_metadata=inputs_in_metadata,
-                                metadata=self.metadata if self.lifecycle.serving else None, view_fields=s.view_fields)
+                                metadata=self.metadata if self.lifecycle.serving else None, view_fields=s.view_fields,
+                                owner=owner)
 
     @property
     def last_step(self):

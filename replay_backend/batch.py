@@ -143,6 +143,12 @@ class StepBatch:
     metadata: MetadataBuffer | None = field(default=None, compare=False, repr=False)
     generation: int = 0
     layout: CacheLayout | None = None  # the cache layout its slots address
+    # Who built it (``build_step_batch(owner=...)``, a runner's build_batch: the runner):
+    # the blocks it names are that owner's, and only its owner may run it. The identity
+    # only: what an owner checks is the owner's business.
+    owner: object | None = field(default=None, compare=False, repr=False)
+    # Every row writes its KV to the pad slot (a dummy step's): it writes no block.
+    pad_writes: bool = False
 
     def check_current(self) -> None:
         """Raise if a later build overwrote this batch's device metadata."""
@@ -295,7 +301,8 @@ class ViewField:
 def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout,
                      window: int, device, max_num_batched_tokens: int | None = None,
                      inputs_in_metadata: bool = False, metadata: MetadataBuffer | None = None,
-                     view_fields: Mapping[str, ViewField] | None = None, *, pad_writes: bool = False) -> StepBatch:
+                     view_fields: Mapping[str, ViewField] | None = None, *, pad_writes: bool = False,
+                     owner: object | None = None) -> StepBatch:
     """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens (a
     list of ints or a 1-D tensor) and ``blocks[i]`` its cache block.
 
@@ -310,7 +317,11 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     ``view_fields``: the model's own device metadata (:class:`ViewField`), for the whole
     batch's view and the replay batch's.
 
-    ``pad_writes``: every row writes its KV to the pad slot (a dummy step's)."""
+    ``pad_writes``: every row writes its KV to the pad slot (a dummy step's), so its
+    requests may share a block (they only read it).
+
+    ``owner``: who builds it (a runner's ``build_batch`` passes the runner), carried as
+    ``StepBatch.owner`` for the owner to check that a batch it runs is its own."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -318,6 +329,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
             raise ValueError(f"request {i}: {len(toks)} token ids for query_len={r.query_len}")
     if len(blocks) != len(requests):
         raise ValueError(f"{len(blocks)} cache blocks for {len(requests)} requests")
+    blocks = check_blocks(requests, blocks, layout, shared=pad_writes)
 
     qlens = [r.query_len for r in requests]
     base = tuple(layout.base(b) for b in blocks)
@@ -369,7 +381,31 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
         replay_view.derived[name] = extra[2 * k + 1].view(-1, f.width)
     replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
     return StepBatch(requests, window, ids, pos, last, view, replay, view.for_replay_layers(), metadata,
-                     metadata.generation if metadata is not None else 0, layout)
+                     metadata.generation if metadata is not None else 0, layout, owner=owner, pad_writes=pad_writes)
+
+
+def check_blocks(requests, blocks, layout: CacheLayout, shared: bool = False) -> list[int]:
+    """Each request's cache block as a Python int, refused (naming the request and the
+    block) where it is not an integer, not a block of ``layout``, or another request's
+    too: two requests in one block would write over each other's KV. ``shared``: the
+    requests write no block (every row to the pad slot), so they may share one."""
+    out: list[int] = []
+    seen: dict[int, int] = {}
+    for i, (r, b) in enumerate(zip(requests, blocks)):
+        where = f"request {i} (req_id={r.req_id!r})"
+        if isinstance(b, bool) or not _is_index(b):
+            raise ValueError(f"{where}: cache block must be an int, got {type(b).__name__} {b!r}")
+        b = operator.index(b)
+        if not 0 <= b < layout.num_blocks:
+            raise ValueError(f"{where}: cache block {b} is outside [0, {layout.num_blocks}) "
+                             f"(the layout's num_blocks: max_num_seqs)")
+        if not shared:
+            j = seen.setdefault(b, i)
+            if j != i:
+                raise ValueError(f"{where}: cache block {b} is request {j}'s (req_id={requests[j].req_id!r}) too: "
+                                 "each request of a step needs a block of its own")
+        out.append(b)
+    return out
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

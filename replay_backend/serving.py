@@ -190,11 +190,13 @@ class ReplayCompiled(nn.Module):
             if isinstance(learned, str) and not isinstance(self._learned, str):  # not counted yet
                 self.backend.model.res.fallback("direct_dispatch", f"served steps go through Dynamo's entry: {learned}")
 
-    def build_batch(self, requests, token_ids, blocks, max_num_batched_tokens: int | None = None) -> StepBatch:
+    def build_batch(self, requests, token_ids, blocks, max_num_batched_tokens: int | None = None, *,
+                    owner=None) -> StepBatch:
         """A step's batch, built as the backend serves it (:meth:`ReplayBackend.build_batch`);
-        its token ids and positions travel in the metadata copy when calls are direct."""
+        its token ids and positions travel in the metadata copy when calls are direct.
+        ``owner``: who builds it, whose blocks ``blocks`` are (``StepBatch.owner``)."""
         return self.backend.build_batch(requests, token_ids, blocks, max_num_batched_tokens,
-                                        inputs_in_metadata=self.direct)
+                                        inputs_in_metadata=self.direct, owner=owner)
 
     @property
     def last_step(self):

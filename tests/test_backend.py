@@ -407,28 +407,34 @@ def test_served_steps_give_the_gather_graphs_their_rows_in_place(shared):
 
 
 def test_a_batch_built_elsewhere_is_staged_and_invalidates_the_buffer(shared):
-    """A batch in fresh memory (the oracle runner's) run on the serving runner: its rows
-    are copied to the buffer's head over whatever an earlier step left there (a longer
-    step's rows 48..63, out of range for this 48-token step: clamped), it matches the
-    oracle, and the runner's own last batch, whose head that copy overwrote, is refused
-    instead of run on another step's rows."""
-    io = shared.be.model.replay.io
+    """A batch in fresh memory, built for the serving runner's blocks outside its compiled
+    model (``build_step_batch`` with ``owner=`` the runner: a runner runs only its own
+    batches), run on it: its rows are copied to the buffer's head over whatever an
+    earlier step left there (a longer step's rows 48..63, out of range for this 48-token
+    step: clamped), it matches the oracle, and the runner's own last batch, whose head
+    that copy overwrote, is refused instead of run on another step's rows."""
+    from replay_backend.batch import build_step_batch
+
+    rc, io = shared.rc, shared.be.model.replay.io
     reqs = [R("z", 40, 40), R("d", 1, 20), R("e", 6, 6)]
     prefill_both(shared, reqs)  # steps of their own, before the longer step
     first = compare(shared, [R("x", 30, 30), R("y", 34, 34)])
     assert (first.step.padded_tokens, first.trim.rows, first.trim.padded) == (64, 32, 32)
     assert io.index[1 + 16:1 + 32].min().item() >= 48  # index[0]: the count
-    foreign = shared.ro.build_batch(reqs)
-    assert foreign.metadata is None
+    with torch.inference_mode():
+        elsewhere = build_step_batch(reqs, [rc.tokens(r.req_id, r.context_len, r.seq_len) for r in reqs],
+                                     [rc.block_of(r.req_id) for r in reqs], rc.layout, rc.cfg.window, rc.device,
+                                     view_fields=rc.view_fields, owner=rc)
+    assert elsewhere.metadata is None
     with counters.expect(trims=1, replay_dispatch={32: 1}, trim_index_copies=1):
-        got = shared.rc.run(foreign)
-    check_outputs(shared, got, shared.ro.run(foreign))
+        got = rc.run(elsewhere)
+    check_outputs(shared, got, shared.ro.step(reqs))
     assert (got.step.padded_tokens, got.trim.rows, got.trim.padded) == (48, 23, 32)
     assert got.trim.io_graphs and io.index[1 + 23:1 + 32].min().item() >= 48  # the earlier rows
-    own = shared.rc.build_batch(reqs)
-    shared.rc.run(foreign)
+    own = rc.build_batch(reqs)
+    rc.run(elsewhere)
     with pytest.raises(RuntimeError, match="stale StepBatch.*built elsewhere"):
-        shared.rc.run(own)
+        rc.run(own)
 
 
 def test_a_metadata_buffer_too_small_for_the_replay_rows_is_a_counted_fallback():

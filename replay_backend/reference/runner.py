@@ -191,27 +191,62 @@ class StepRunner:
         blocks = self._claim_blocks([r.req_id for r in requests])  # the last check: it claims blocks
         tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
         if self.compiled is not None:  # as the compiled model serves it (its metadata buffer)
-            return self.compiled.build_batch(requests, tokens, blocks, self.max_num_batched_tokens)
+            return self.compiled.build_batch(requests, tokens, blocks, self.max_num_batched_tokens, owner=self)
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
-                                self.max_num_batched_tokens, view_fields=self.view_fields)
+                                self.max_num_batched_tokens, view_fields=self.view_fields, owner=self)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
             use_graphs: bool = True) -> StepOutput:
-        batch.check_current()
+        """Run one step of ``batch``, which this runner's :meth:`build_batch` built: its
+        cache blocks are the ones this runner gave its requests, which hold their context.
+        A batch that writes no block (a dummy one: every row to the pad slot) may come
+        from anywhere with this runner's layout."""
         if batch.layout != self.layout or batch.window != self.cfg.window:
             raise ValueError(f"the batch was built for cache layout {batch.layout} and window {batch.window}, "
                              f"this runner has {self.layout} and window {self.cfg.window}: build it with "
                              "this runner's build_batch")
+        owner = batch.owner
+        if owner is not self and (owner is not None or not batch.pad_writes):  # (a dummy batch writes no block)
+            n, size = len(batch.requests), self.layout.max_model_len
+            named = ", ".join(f"request {i} (req_id={batch.requests[i].req_id!r}) in block "
+                              f"{batch.view.cache_base[i] // size}" for i in range(min(n, 3)))
+            named += f" and {n - 3} more" if n > 3 else ""
+            raise ValueError(
+                ("the batch was built without an owner (build_step_batch without owner=)" if owner is None else
+                 f"the batch was built by another runner ({type(owner).__name__} at {id(owner):#x})")
+                + f", not by this one ({type(self).__name__} at {id(self):#x}): its cache blocks ({named}) are "
+                "not the ones this runner gave, and running it would write over the KV of the requests this "
+                "runner holds there: build it with this runner's build_batch")
+        if not batch.pad_writes:  # each request in the block this runner gave it, its context cached
+            given, cached, bases, size = self._blocks, self._cached, batch.view.cache_base, self.layout.max_model_len
+            for i, r in enumerate(batch.requests):
+                held = given.get(r.req_id)
+                if held is None or held * size != bases[i]:
+                    block = bases[i] // size
+                    now = [q for q, b in given.items() if b == block]
+                    raise ValueError(
+                        f"request {i} (req_id={r.req_id!r}): the batch writes cache block {block}, but this runner "
+                        + ("holds no block for it (freed, or never given one)" if held is None else
+                           f"gave the request block {held}")
+                        + (f", and block {block} is request {now[0]!r}'s" if now else "")
+                        + ": a stale batch, or one not built for these blocks: build it with this runner's "
+                          "build_batch")
+                held = cached.get(r.req_id, 0)
+                if r.context_len > held:
+                    raise ValueError(
+                        f"request {i} (req_id={r.req_id!r}): its chunk starts at position {r.context_len}, but the "
+                        f"cache holds {held} of its positions (a stale batch: the request was freed since it was "
+                        "built?): run its earlier chunks first, then build it with this runner's build_batch")
+        batch.check_current()
         fwd = forward if forward is not None else self.forward
         in_region = fwd is self.compiled and self.backend.replays_in_region
         ctx = self._context(batch, in_region, eager_replay=eager_replay, use_graphs=use_graphs)
         with set_forward_context(ctx):
             hidden = fwd(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        for i, r in enumerate(batch.requests):  # the cache now holds each request's chunk
-            block = self._blocks.get(r.req_id)  # none for capture's dummy requests
-            if block is not None and self.layout.base(block) == batch.view.cache_base[i]:
+        if not batch.pad_writes:  # the cache now holds each request's chunk, in its block (checked above)
+            for r in batch.requests:
                 self._cached[r.req_id] = r.seq_len
         return StepOutput(logits, batch, ctx.result, self._prompt_logprobs(batch, hidden))
 
