@@ -14,12 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..ops import BEGIN, END, TRIM
 from .common import op_name, is_op, node_value
-from .row_local import TRIM_OP, row_mixing, symbols
-
-BEGIN = "dsv41_replay::replay_begin"
-END = "dsv41_replay::replay_end"
-TRIM = TRIM_OP
+from .row_local import row_mixing, symbols
 
 class ReplayRegionError(ValueError):
     """The graph's replay region cannot be extracted; the message says why."""
@@ -60,8 +57,7 @@ def marked_window(gm: fx.GraphModule) -> int | None:
     return begin.args[1] if len(begin.args) > 1 else begin.kwargs.get("window")
 
 
-def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region_id: int = 0
-                          ) -> ExtractedRegion | None:
+def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> ExtractedRegion | None:
     """Move the region out of ``gm`` (in place) and return it; None if unmarked."""
     markers = find_markers(gm)
     if markers is None:
@@ -161,8 +157,7 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region
             # The value the later passes see (row-locality, splitting): the step's rows,
             # shaped as the region's output
             outs[-1].meta["example_value"] = v
-        trim = g.call_function(torch.ops.dsv41_replay.trim_and_redispatch.default,
-                               (row_inputs, consts, outs, region_id))
+        g.call_function(torch.ops.dsv41_replay.trim_and_redispatch.default, (row_inputs, consts, outs))
     for user in list(end.users):
         if user.op == "call_function" and user.target is operator.getitem:
             user.replace_all_uses_with(outs[user.args[1]])
@@ -175,5 +170,4 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops, region
     g.erase_node(begin)
     g.lint()
     gm.recompile()
-    trim.meta["replay_region"] = region_id
     return ExtractedRegion(region, len(row_inputs), len(end_inputs), window)

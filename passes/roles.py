@@ -11,7 +11,7 @@ The backend imports no model, so a model tells it which of its ops play a part:
   a MoE that sorts rows internally), accepted by the row-locality analysis.
 
 Ops that read per-step state need no declaration here: they carry
-``torch.Tag.cudagraph_unsafe`` (``torch_compat.step_dependent_tags``), and the backend
+``torch.Tag.cudagraph_unsafe`` (``compat_dynamo.step_dependent_tags``), and the backend
 refuses them inside captured pieces.
 
 A declaration is an attribute on the op's packet, so it travels with the op and no
@@ -24,7 +24,7 @@ import enum
 import torch
 from torch import fx
 
-from .. import torch_compat
+from ..compat import dynamo as compat_dynamo
 from .common import op_name
 
 
@@ -38,7 +38,7 @@ _ATTR = "_dsv41_replay_roles"
 
 
 def _packet(op):
-    op = torch_compat.custom_op_name(op) or op  # what @torch.library.custom_op returned
+    op = compat_dynamo.custom_op_name(op) or op  # what @torch.library.custom_op returned
     if isinstance(op, str):
         if "::" not in op:
             raise ValueError(f"an op name is 'namespace::name', got {op!r}")

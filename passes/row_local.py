@@ -27,11 +27,12 @@ import torch
 from torch import fx
 
 from . import row_rules as rules
+from ..ops import TRIM
 from .common import node_value, op_name, op_tags
 from .roles import OpRole, roles_of
 
 # The trim op reads the rows it is given and the step's own: padding is its concern.
-TRIM_OP = "dsv41_replay::trim_and_redispatch"
+TRIM_OP = TRIM
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from . import inspection, torch_compat
-from .capture.graphs import StrictFallbackError, process_fallback  # noqa: F401  (StrictFallbackError: re-exported)
+from . import inspection
+from .compat import dynamo as compat_dynamo
+from .fallbacks import Fallback, StrictFallbackError, process_fallback  # noqa: F401  (StrictFallbackError: re-exported)
 from .compiling.piece_cache import PieceCache
 from .config import ReplayConfig
 from .counters import counters
@@ -129,7 +130,7 @@ class ReplayBackend:
             summary = self._capture(setup, replay_view_for, metadata)
         graphs = sum(level.get("graphs", 0) for level in summary.values())
         if graphs == 0 and self.config.graphs_enabled:
-            self.model.res.fallback("nothing_captured", f"capture() captured no graph: {self._why_no_graphs()}")
+            self.model.res.fallback(Fallback.NOTHING_CAPTURED, f"capture() captured no graph: {self._why_no_graphs()}")
         elif graphs == 0:
             log.info("dsv41_replay: capture() captured no graph: cudagraph_mode='none'")
         return summary
@@ -238,7 +239,7 @@ class ReplayBackend:
         cfg = self.config
         capacity = metadata_capacity(cfg.max_num_batched_tokens, setup.layout.num_blocks, setup.view_fields)
         if isinstance(capacity, str):
-            self.model.res.fallback("metadata_in_place", f"served steps' metadata is built in fresh memory: "
+            self.model.res.fallback(Fallback.METADATA_IN_PLACE, f"served steps' metadata is built in fresh memory: "
                                     f"{capacity}, so no fixed buffer can hold every step's")
             return None
         self.metadata = MetadataBuffer(capacity, setup.device)
@@ -287,14 +288,14 @@ def dsv41_replay(gm: fx.GraphModule, example_inputs: list, mode: str | None = No
                  options: dict | None = None) -> CompiledReplayModel:
     """Entry point registered as ``torch_dynamo_backends: dsv41_replay``: every graph of
     one ``torch.compile`` call goes to that call's one :class:`ReplayBackend`."""
-    call = torch_compat.torch_compile_call(sys._getframe(1))
+    call = compat_dynamo.torch_compile_call(sys._getframe(1))
     config = ReplayConfig.from_options(options, mode)
     if call is None:
         why = ("not called through torch.compile's wrapper, so each graph gets a backend of its own and "
                "recompiles are not counted; pass backend=ReplayBackend(...) to keep one")
-        process_fallback("per_call_state", why, config.strict)
+        process_fallback(Fallback.PER_CALL_STATE, why, config.strict)
         return ReplayBackend(config)(gm, example_inputs)
-    return torch_compat.compile_call_state(call, lambda: ReplayBackend(config))(gm, example_inputs)
+    return compat_dynamo.compile_call_state(call, lambda: ReplayBackend(config))(gm, example_inputs)
 
 
 def backend_of(compiled) -> ReplayBackend:
@@ -302,7 +303,7 @@ def backend_of(compiled) -> ReplayBackend:
     (or given one): its plan, capture and start of serving."""
     if isinstance(compiled, ReplayBackend):
         return compiled
-    state = torch_compat.compile_call_state_of(compiled)
+    state = compat_dynamo.compile_call_state_of(compiled)
     if state is None:
         raise ValueError("backend_of: no dsv41_replay backend state behind this object: compile a module with "
                          "torch.compile(model, backend='dsv41_replay') and run one step through it first")

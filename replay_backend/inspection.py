@@ -15,7 +15,9 @@ from typing import Iterator
 
 from torch import fx
 
-from . import dump, torch_compat
+from . import dump
+from .compat import dumps as compat_dumps
+from .compat import dynamo as compat_dynamo
 
 log = logging.getLogger("replay_backend")
 
@@ -32,7 +34,7 @@ def _log_code(name: str, gm: fx.GraphModule) -> bool:
     """Graph-code logging (and depyf's hook on it). A failure there must not fail the
     compile: log it and tell the caller to stop trying for this graph."""
     try:
-        torch_compat.log_graph_code(name, gm)
+        compat_dumps.log_graph_code(name, gm)
         return True
     except Exception as e:  # a foreign hook (depyf) choked on our graph
         log.warning("dsv41_replay: graph-code logging / depyf failed on %s (%s: %s); the rest of this "
@@ -44,11 +46,11 @@ def _log_code(name: str, gm: fx.GraphModule) -> bool:
 def on_traced(gm: fx.GraphModule, cfg) -> str | None:
     """Emit the graph as Dynamo traced it; returns its readable code when a dump or the
     trace will want it later."""
-    torch_compat.adapt_depyf()  # a user's depyf.prepare_debug may be active around this compile
+    compat_dumps.adapt_depyf()  # a user's depyf.prepare_debug may be active around this compile
     text = None
-    if cfg.debug_dump_path or torch_compat.trace_enabled():
+    if cfg.debug_dump_path or compat_dumps.trace_enabled():
         text = dump.readable(gm)
-        torch_compat.trace_structured("dsv41_replay_graph_before_split", lambda: text)
+        compat_dumps.trace_structured("dsv41_replay_graph_before_split", lambda: text)
     _log_code("dsv41_replay_graph_before_split", gm)
     return text
 
@@ -61,10 +63,10 @@ def dump_dir_for(path: str, graph_index: int) -> str:
 def on_built(compiled) -> None:
     """Emit every artifact of a freshly built model; write its dump when asked to."""
     arts = [a for a in dump.artifacts(compiled) if a.rel != "graph_before_split.py"]  # on_traced did it
-    if torch_compat.trace_enabled():
+    if compat_dumps.trace_enabled():
         for a in arts:
             if a.traced:
-                torch_compat.trace_structured(a.trace_name, lambda a=a: a.text, a.encoding)
+                compat_dumps.trace_structured(a.trace_name, lambda a=a: a.text, a.encoding)
     logging_ok = True
     for a in arts:
         if a.gm is not None and logging_ok:
@@ -81,9 +83,9 @@ def on_built(compiled) -> None:
 
 def on_captured(compiled) -> None:
     """After ``capture()``: the capture summary into the trace and the dump."""
-    if torch_compat.trace_enabled():
+    if compat_dumps.trace_enabled():
         art = dump.capture_artifact(compiled)
-        torch_compat.trace_structured(art.trace_name, lambda: art.text, art.encoding)
+        compat_dumps.trace_structured(art.trace_name, lambda: art.text, art.encoding)
     if compiled.dump_dir:
         try:
             dump.dump_capture(compiled, compiled.dump_dir)
@@ -114,10 +116,10 @@ def depyf_debug(dump_src_dir: str, **kwargs) -> Iterator[bool]:
     except Exception as e:
         log.warning("dsv41_replay: depyf.prepare_debug failed on torch %s (%s: %s); running without "
                     "depyf. debug_dump_path writes the backend's graphs instead.",
-                    torch_compat.torch_version(), type(e).__name__, e)
+                    compat_dynamo.torch_version(), type(e).__name__, e)
         yield False
         return
-    torch_compat.adapt_depyf()
+    compat_dumps.adapt_depyf()
     try:
         yield True
     except BaseException as e:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from . import inspection, torch_compat
+from .fallbacks import Fallback
+from . import inspection
+from .compat import dynamo as compat_dynamo
 from .capture.graphs import GraphLevel, GraphResources
 from .compiling.piece_cache import PieceCache
 from .compiling.pieces import PieceCompiler, wrap_uncompiled
@@ -21,8 +23,8 @@ from .dispatch.direct import CallLog
 from .dispatch.region_attention import RegionAttention
 from .dispatch.trim_op import ReplayRuntime
 from .lifecycle import Lifecycle
-from .passes.region import (BEGIN, END, TRIM, ExtractedRegion, ReplayRegionError, extract_replay_region,
-                            find_markers, marked_window)
+from .ops import BEGIN, END, TRIM
+from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, find_markers, marked_window
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
 from .passes.split import live_across, split_at_ops, step_dependent_ops
@@ -104,14 +106,14 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:
-    fake_mode = torch_compat.detect_fake_mode(example_inputs)
-    fake_inputs = torch_compat.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
+    fake_mode = compat_dynamo.detect_fake_mode(example_inputs)
+    fake_inputs = compat_dynamo.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
     tokens, syms = [], []
     for i, x in enumerate(fake_inputs):
-        if torch_compat.is_symint(x):
+        if compat_dynamo.is_symint(x):
             syms.append(i)
         elif isinstance(x, torch.Tensor):
-            dims = torch_compat.symbolic_dims(x)
+            dims = compat_dynamo.symbolic_dims(x)
             if dims and dims != [0]:
                 raise ValueError(f"graph input {i} is dynamic in dims {dims}: dsv41_replay supports "
                                  "graphs dynamic only in the token count (dim 0)")
@@ -131,7 +133,7 @@ def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphRes
     try:
         region = extract_replay_region(gm, splitting, declared_in(gm, OpRole.KV_SOURCE))
     except ReplayRegionError as e:
-        res.fallback("replay_region_unsupported", str(e))
+        res.fallback(Fallback.REPLAY_REGION_UNSUPPORTED, str(e))
         return None, str(e)
     if region is None:
         return None, "no replay boundary markers in the graph"
@@ -157,7 +159,7 @@ def _main_sizes(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphReso
     if sizes:
         _refuse_step_dependent_in_graphs(gm, splitting)
     if sizes and (why := padding_unsafe(gm, splitting)) is not None:
-        res.fallback("main_graphs_padding_unsafe", f"steps run without main graphs, which would pad them: {why}")
+        res.fallback(Fallback.MAIN_GRAPHS_PADDING_UNSAFE, f"steps run without main graphs, which would pad them: {why}")
         return []
     return sizes
 
@@ -220,7 +222,7 @@ def _refuse_step_dependent_in_graphs(gm: fx.GraphModule, splitting: tuple[str, .
     """An op that reads per-step state (tagged ``cudagraph_unsafe``) must be a splitting op
     when pieces are captured. The boundary markers are exempt: a graphed step runs them
     as the identity they are in compiled models; so is the trim op, a splitting op."""
-    found = step_dependent_ops(gm, splitting, torch_compat.step_dependent_tags(), frozenset((BEGIN, END, TRIM)))
+    found = step_dependent_ops(gm, splitting, compat_dynamo.step_dependent_tags(), frozenset((BEGIN, END, TRIM)))
     if found:
         raise ValueError(f"option splitting_ops: {', '.join(found)} read(s) per-step state (tagged cudagraph_unsafe) "
                          "but would be captured inside a graph piece: declare them attention ops "

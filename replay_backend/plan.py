@@ -141,19 +141,21 @@ def plan_of(obj) -> SplitPlan:
     ``obj``: a SplitPlan, a CompiledReplayModel, a ReplayBackend, a StepRunner built with
     ``backend=``, or what ``torch.compile(..., backend="dsv41_replay")`` returned (found
     through Dynamo's cache; run it once first). Never re-traces."""
+    from .backend import ReplayBackend
+    from .compat import dynamo as compat_dynamo
+    from .dispatch.compiled import CompiledReplayModel
+
     if isinstance(obj, SplitPlan):
         return obj
-    if hasattr(obj, "plan_snapshot"):  # CompiledReplayModel
+    if isinstance(obj, CompiledReplayModel):
         return obj.plan_snapshot()
-    if hasattr(obj, "compiled") and hasattr(obj, "freeze"):  # ReplayBackend
+    if isinstance(obj, ReplayBackend):
         return obj.model.plan_snapshot()
     backend = getattr(obj, "backend", None)
-    if backend is not None and hasattr(backend, "compiled"):  # StepRunner(backend=...), ReplayCompiled
+    if isinstance(backend, ReplayBackend):  # StepRunner(backend=...), ReplayCompiled
         return plan_of(backend)
-    from . import torch_compat
-
-    for fn in torch_compat.compiled_callables(obj):
-        if hasattr(fn, "plan_snapshot"):
+    for fn in compat_dynamo.compiled_callables(obj):
+        if isinstance(fn, CompiledReplayModel):
             return fn.plan_snapshot()
     raise TypeError(
         f"no dsv41_replay compiled model found in {type(obj).__name__}: pass a ReplayBackend, a "

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .fallbacks import Fallback
 from .backend import ReplayBackend
 from .batch import AttnView, StepBatch, ViewField, dummy_step_batch
 from .config import ReplayConfig
@@ -164,7 +165,7 @@ class ReplayCompiled(nn.Module):
             self._fixed = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
         self._learned = direct.learn(*call, bound.arguments, self._params, result, self._fixed)
         if isinstance(self._learned, str):
-            call[0].res.fallback("direct_dispatch", f"calls go through Dynamo's entry: {self._learned}")
+            call[0].res.fallback(Fallback.DIRECT_DISPATCH, f"calls go through Dynamo's entry: {self._learned}")
         else:
             log.info("dsv41_replay: calls reach the compiled model directly (%d graph arguments, %d fixed)",
                      len(self._learned.template), sum(a is not None for a in self._learned.template))
@@ -188,7 +189,7 @@ class ReplayCompiled(nn.Module):
         if self.backend.config.direct_dispatch:
             learned = direct.for_serving(self._learned, self.backend.compiled)
             if isinstance(learned, str) and not isinstance(self._learned, str):  # not counted yet
-                self.backend.model.res.fallback("direct_dispatch", f"served steps go through Dynamo's entry: {learned}")
+                self.backend.model.res.fallback(Fallback.DIRECT_DISPATCH, f"served steps go through Dynamo's entry: {learned}")
 
     def build_batch(self, requests, token_ids, blocks, max_num_batched_tokens: int | None = None, *,
                     owner=None) -> StepBatch:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from replay_backend.bench.timing import host_probe
-from replay_backend.torch_compat import CudaTracing
+from replay_backend.bench.cuda_tracing import CudaTracing
 from step_phases import WARMUP, Phases, add_samples, build_runner, floor_ms, floor_step
 
 

@@ -32,7 +32,7 @@ from replay_backend.batch import RequestChunk
 from replay_backend.bench.profile import NoKernelsRecorded, kernel_floor_ms
 from replay_backend.bench.run import WIDE_SIZES
 from replay_backend.bench.timing import host_probe
-from replay_backend.torch_compat import CudaTracing
+from replay_backend.bench.cuda_tracing import CudaTracing
 from replay_backend.reference import build_model, preset
 from replay_backend.reference.runner import StepRunner
 

@@ -319,7 +319,7 @@ def test_without_plan_memory_to_clear_every_graph_plan_splits(models):
     """Where the adapter does not find the plan memory, graph plans take FlashInfer's
     guarded path (every one splits, with the float workspace for a graph's worst case):
     a counted, logged fallback, an error when strict."""
-    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.fallbacks import StrictFallbackError
     from replay_backend.counters import counters
 
     _, fim = models
@@ -442,7 +442,7 @@ def test_a_plan_whose_calls_differ_beyond_their_tensors_keeps_run(models):
     """Where two calls of one plan hand the kernels arguments that differ beyond the
     call's tensors, nothing is learned: every call of that plan goes through run(), one
     counted, logged fallback per plan, an error when strict."""
-    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.fallbacks import StrictFallbackError
     from replay_backend.counters import counters
 
     ref, fim = models

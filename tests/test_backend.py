@@ -438,7 +438,7 @@ def test_a_batch_built_elsewhere_is_staged_and_invalidates_the_buffer(shared):
 
 
 def test_a_metadata_buffer_too_small_for_the_replay_rows_is_a_counted_fallback():
-    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.fallbacks import StrictFallbackError
     from replay_backend.dispatch.trim_io import TrimIO
     from replay_backend.step_metadata import MetadataBuffer
 
@@ -861,7 +861,7 @@ def test_piece_runner_first_serving_replay_detects_a_moved_input():
 
 
 def test_piece_runner_uncaptured_size_after_serving_is_a_counted_fallback():
-    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.fallbacks import StrictFallbackError
 
     from replay_backend.lifecycle import Lifecycle, Phase
 

@@ -4,7 +4,7 @@ the kernel under Triton's interpreter in a child process against the reference o
 import pytest
 
 from conftest import check_interpreted, needs_triton
-from replay_backend import triton_compat as _triton
+from replay_backend.compat import triton as _triton
 
 
 @needs_triton
@@ -36,7 +36,7 @@ def test_kept_kernel_launches_its_build_directly_after_the_first_call(monkeypatc
 
     if _triton.triton is None:
         pytest.skip("Triton is not installed")
-    monkeypatch.setattr(_triton.torch_compat, "raw_stream_getter", lambda: lambda index: 1000 + index)
+    monkeypatch.setattr(_triton.compat_graphs, "raw_stream_getter", lambda: lambda index: 1000 + index)
     # a stand-in's __getitem__ is not Triton's: take its launch layout as checked
     monkeypatch.setattr(_triton, "launch_layout_verified", lambda build_type: True)
     kept = _triton.KeptKernel(Kernel())

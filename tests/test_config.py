@@ -500,14 +500,15 @@ def test_compile_by_name_runs_a_plain_model():
 def test_torch_compile_refuses_a_threshold_within_the_window_on_its_first_call(model, fresh_dynamo):
     """The first call traces static shapes, where nothing could trim: the threshold is
     still checked against the model's window there, not at a later recompile."""
-    from replay_backend import RequestChunk, StepRunner, torch_compat
+    from replay_backend import RequestChunk, StepRunner
+    from replay_backend.compat import dynamo as compat_dynamo
 
     compiled = torch.compile(model, backend="dsv41_replay",
                              options={"decoder_replay_trim_threshold": 16, "compiler": "eager"})
     runner = StepRunner(model, forward=compiled, max_model_len=256)
     with pytest.raises(Exception) as info:
         runner.step([RequestChunk("a", 20, 20)])
-    err = torch_compat.user_error(info.value)
+    err = compat_dynamo.user_error(info.value)
     assert err is not None and "option decoder_replay_trim_threshold: 16 must exceed the sliding window W=16" \
         in str(err), info.value
 

@@ -16,7 +16,7 @@ from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 from replay_backend.counters import counters
 from replay_backend.reference.runner import StepRunner
 from replay_backend.dispatch import direct
-from replay_backend.capture.graphs import StrictFallbackError
+from replay_backend.fallbacks import StrictFallbackError
 from replay_backend.forward_context import set_forward_context
 
 from conftest import MAX_MODEL_LEN

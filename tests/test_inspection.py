@@ -20,13 +20,15 @@ import types
 import pytest
 import torch
 
-from replay_backend import RequestChunk, StepRunner, depyf_debug, plan_of, torch_compat
+from replay_backend import RequestChunk, StepRunner, depyf_debug, plan_of
+from replay_backend.compat import dumps as compat_dumps
 from replay_backend.backend import ReplayBackend
 from replay_backend.config import DUMP_ENV_VAR, ReplayConfig
 from replay_backend.counters import counters
 from replay_backend.dump import dump_compiled
 from replay_backend.plan import SplitPlan
-from replay_backend.capture.graphs import GraphResources, StrictFallbackError
+from replay_backend.capture.graphs import GraphResources
+from replay_backend.fallbacks import StrictFallbackError
 
 from conftest import MAX_MODEL_LEN
 
@@ -68,8 +70,8 @@ def env(model, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         # Record the structured trace through our adapter (a real TORCH_TRACE run is
         # test_torch_trace_files_name_our_artifacts) and turn graph_code logging on.
-        mp.setattr(torch_compat, "trace_enabled", lambda: True)
-        mp.setattr(torch_compat, "trace_structured",
+        mp.setattr(compat_dumps, "trace_enabled", lambda: True)
+        mp.setattr(compat_dumps, "trace_structured",
                    lambda name, payload, encoding="string": traced.append((name, encoding, payload())))
         pkg.setLevel(logging.DEBUG)
         glog.setLevel(logging.DEBUG)
@@ -328,8 +330,8 @@ def test_depyf_loader_hook_adapted_to_this_torch(loader_slot, monkeypatch):
     if new_torch:
         with pytest.raises(TypeError, match="set_sys_modules"):  # the break
             PyCodeCache.load("x = 1\n")
-    assert torch_compat.adapt_depyf() is True
-    assert torch_compat.adapt_depyf() is False  # idempotent
+    assert compat_dumps.adapt_depyf() is True
+    assert compat_dumps.adapt_depyf() is False  # idempotent
     assert PyCodeCache.load("x = 2\n").x == 2
     if new_torch:
         PyCodeCache.load_by_key_path("k", PyCodeCache.write("y = 3\n")[1], set_sys_modules=False)
@@ -346,7 +348,7 @@ def test_depyf_bytecode_hook_failure_does_not_fail_the_compile(caplog):
     handle = torch._dynamo.convert_frame.register_bytecode_hook(Hook())
     try:
         torch._dynamo.reset()
-        assert torch_compat.adapt_depyf() is True
+        assert compat_dumps.adapt_depyf() is True
         fn = torch.compile(lambda x: torch.cos(x) * 2, backend=ReplayBackend(compiler="eager"))
         with caplog.at_level(logging.WARNING, logger="replay_backend"):
             assert torch.allclose(fn(torch.ones(3)), torch.cos(torch.ones(3)) * 2)

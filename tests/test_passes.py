@@ -567,7 +567,7 @@ def test_a_kv_source_the_model_declared_after_the_cut_switches_replay_off():
 
 
 def test_unsupported_region_with_strict_raises():
-    from replay_backend.capture.graphs import StrictFallbackError
+    from replay_backend.fallbacks import StrictFallbackError
 
     model = Toy(4, 1, region_body=_mix_tokens).eval()
     compiled = torch.compile(model, backend=toy_backend(strict=True), fullgraph=True)
@@ -585,7 +585,7 @@ def test_a_step_dependent_op_left_out_of_splitting_ops_is_refused_when_pieces_ar
     would replay the first step's. Without graphs the pieces run per step, so it may."""
     from replay_backend import RequestChunk, StepRunner
     from replay_backend.backend import ReplayBackend
-    from replay_backend.torch_compat import user_error
+    from replay_backend.compat.dynamo import user_error
 
     be = ReplayBackend(compiler="eager", cudagraph_mode=cudagraph_mode, max_cudagraph_capture_size=64,
                        decoder_replay_trim_threshold=32,

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from replay_backend import RequestChunk, StepRunner
-from replay_backend import torch_compat
+
 from replay_backend.backend import ReplayBackend
+from replay_backend.compat import inductor as compat_inductor
 from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 from replay_backend.counters import counters
 from replay_backend.compiling.piece_cache import PieceCache, piece_key
@@ -26,7 +27,7 @@ def test_repeated_layers_share_compiled_pieces(model, monkeypatch):
         compiled.append(gm)
         return gm
 
-    monkeypatch.setattr(torch_compat, "inductor_compile", fake_inductor)
+    monkeypatch.setattr(compat_inductor, "inductor_compile", fake_inductor)
     cache = PieceCache()
     be = ReplayBackend(compiler="inductor", piece_cache=cache, max_num_seqs=4,
                        max_cudagraph_capture_size=64, decoder_replay_trim_threshold=48)

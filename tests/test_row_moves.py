@@ -9,7 +9,7 @@ import torch
 
 from conftest import check_interpreted, needs_triton, run_interpreted
 from replay_backend.dispatch import row_moves
-from replay_backend.capture.graphs import StrictFallbackError
+from replay_backend.fallbacks import StrictFallbackError
 
 
 @needs_triton
@@ -173,7 +173,7 @@ def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registere
     so the hook sees the launch."""
     import triton
 
-    from replay_backend.triton_compat import direct_launcher
+    from replay_backend.compat.triton import direct_launcher
 
     calls = []
 
@@ -187,7 +187,7 @@ def test_direct_launch_passes_the_stream_and_no_hooks_unless_a_hook_is_registere
             return lambda *args, stream=None: calls.append(("triton", grid, stream, args))
 
     # a stand-in's __getitem__ is not Triton's: take its layout as checked
-    monkeypatch.setattr("replay_backend.triton_compat.launch_layout_verified", lambda build_type: True)
+    monkeypatch.setattr("replay_backend.compat.triton.launch_layout_verified", lambda build_type: True)
     launch = direct_launcher(Build())
     launch((3, 2, 1), 77, "a", 5)
     assert calls == [("direct", (3, 2, 1, 77, "fn", "meta", None, None, None, "a", 5))]
@@ -212,7 +212,7 @@ def test_the_direct_launch_layout_is_checked_against_tritons_own_launch():
     from triton.compiler.compiler import CompiledKernel
 
     from replay_backend import counters
-    from replay_backend.triton_compat import direct_launcher, launch_layout_verified
+    from replay_backend.compat.triton import direct_launcher, launch_layout_verified
 
     assert launch_layout_verified(CompiledKernel)  # the installed Triton's real source
     calls = []

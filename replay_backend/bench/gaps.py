@@ -21,11 +21,13 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..ops import TRIM
+
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _HOST_CATS = {"cpu_op", "user_annotation"}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}  # Triton launches through the driver API
 MIN_GAP_US = 5.0
-REGION_OP = "dsv41_replay::trim_and_redispatch"
+REGION_OP = TRIM
 
 
 @dataclass

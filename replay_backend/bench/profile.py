@@ -5,9 +5,7 @@ from typing import Callable
 
 import torch
 
-from .. import torch_compat
-
-
+from .cuda_tracing import CudaTracing
 def kernels(events) -> list:
     """Device-side events only: a CPU op's "self CUDA" time is its kernels' time again."""
     return [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
@@ -18,23 +16,23 @@ class NoKernelsRecorded(RuntimeError):
     a floor read from it would be 0 ms."""
 
 
-def kernel_floor_ms(ttft: Callable[[], float], tracing: torch_compat.CudaTracing | None = None) -> float:
+def kernel_floor_ms(ttft: Callable[[], float], tracing: CudaTracing | None = None) -> float:
     """Sum of GPU kernel times of one TTFT (the profile's device self time), in a
     session of ``tracing`` (by default one of its own, left attached). Raises
     :class:`NoKernelsRecorded` when the session recorded none."""
     from torch.profiler import ProfilerActivity
 
-    with (tracing or torch_compat.CudaTracing()).session([ProfilerActivity.CUDA]) as prof:
+    with (tracing or CudaTracing()).session([ProfilerActivity.CUDA]) as prof:
         wall = ttft()
     ks = kernels(prof.key_averages())
     if not ks:
         raise NoKernelsRecorded(f"the profiler recorded no GPU kernels in a step of {wall:.1f} ms: its CUDA "
-                                "tracing was lost (torch_compat.CudaTracing)")
+                                "tracing was lost (CudaTracing)")
     return sum(e.self_device_time_total for e in ks) / 1e3
 
 
 def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str | None = None,
-               tracing: torch_compat.CudaTracing | None = None) -> None:
+               tracing: CudaTracing | None = None) -> None:
     """Where one TTFT's time goes: host wall time, GPU kernel time, the GPU's idle time
     by cause (:mod:`bench.gaps`), top ops and kernels, appended to ``path`` under
     ``title`` (one file holds every profile of a run). With ``trace_dir`` the Chrome
@@ -49,7 +47,7 @@ def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str 
     from .gaps import analyse_file
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with (tracing or torch_compat.CudaTracing()).session(acts) as prof:
+    with (tracing or CudaTracing()).session(acts) as prof:
         wall = ttft()
     events = prof.key_averages()
     ks = kernels(events)

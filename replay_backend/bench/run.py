@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 import torch
 
-from .. import torch_compat
+from ..compat import inductor as compat_inductor
 from ..backend import ReplayBackend
 from ..reference.accuracy import CHECK, yardstick
 from .report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
@@ -136,7 +136,7 @@ def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, dev
         return StepRunner(model, **kw), None
     if run.mode == "reduce-overhead":
         torch._dynamo.reset()  # our modes are done; the peer traces on its own
-        peer = torch.compile(model, options=torch_compat.reduce_overhead_options())
+        peer = torch.compile(model, options=compat_inductor.reduce_overhead_options())
         runner = StepRunner(model, forward=_Dynamic(peer), **kw)
         t0 = time.perf_counter()
         runner.run(runner.dummy_batch(model.cfg.window))

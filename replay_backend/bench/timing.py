@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .profile import NoKernelsRecorded, kernel_floor_ms, profile_to
-from .. import torch_compat
+from .cuda_tracing import CudaTracing
 from ..counters import counters
 from ..reference.runner import StepRunner
 
@@ -199,7 +199,7 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, trim_host_u
 
 
 def profile_mode(m: TimedMode, isl: int, conc: int, args, device: str, floors: dict,
-                 tracing: torch_compat.CudaTracing) -> bool:
+                 tracing: CudaTracing) -> bool:
     """One mode's profile at one point, where asked for, and ``replay``'s kernel floor,
     in sessions of ``tracing``; whether it did either."""
     point = f"{isl}/{conc}"
@@ -244,7 +244,7 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
     profiler comes after all timing: CUDA tracing left attached after a session makes the
     host's later CUDA calls slower, which would fall on every point timed after it; the
     sessions keep it attached from one to the next and it is released after the last
-    (torch_compat.CudaTracing). A mode that fails leaves the rotation with its error;
+    (CudaTracing). A mode that fails leaves the rotation with its error;
     nothing new starts after ``deadline``. ``done()`` runs after each point's timing and
     after its floors and profiles."""
     timed = []
@@ -262,7 +262,7 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                 modes = _drop(modes, f)
         if done is not None:
             done()
-    tracing = torch_compat.CudaTracing()  # before the sessions, which set what it reads
+    tracing = CudaTracing()  # before the sessions, which set what it reads
     try:
         for isl, conc in timed:
             if time.perf_counter() > deadline:

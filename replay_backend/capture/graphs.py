@@ -31,32 +31,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import torch_compat
+from ..fallbacks import Fallback
+from ..compat import graphs as compat_graphs
 from ..counters import counters
+from ..fallbacks import process_fallback
 from ..lifecycle import Lifecycle
 
 log = logging.getLogger("replay_backend")
-
-
-class StrictFallbackError(RuntimeError):
-    """A fallback happened while ``strict=True``."""
-
-
-def process_fallback(reason: str, detail: str, strict: bool = False, logged: set | None = None) -> None:
-    """A fallback: raise :class:`StrictFallbackError` when ``strict``, else count it and
-    log it once, once per ``logged`` (the reasons a backend's resources have logged,
-    :meth:`GraphResources.fallback`) or, for one decided once per process, when the
-    process-wide count first reaches one."""
-    if strict:
-        raise StrictFallbackError(f"{reason}: {detail} (strict=True turns fallbacks into errors)")
-    counters.fallbacks[reason] += 1
-    if logged is None:
-        first = counters.fallbacks[reason] == 1
-    else:
-        first = reason not in logged
-        logged.add(reason)
-    if first:
-        log.warning("dsv41_replay fallback [%s]: %s", reason, detail)
 
 
 @dataclass
@@ -175,7 +156,7 @@ class StaticGraph:
                     self.graph.capture_end()
             torch.cuda.current_stream().wait_stream(res.stream)
             weak = res.weak_outputs and not keep_outputs
-            self.outputs = _map_tensors(torch_compat.non_owning_alias, self.owned) if weak else self.owned
+            self.outputs = _map_tensors(compat_graphs.non_owning_alias, self.owned) if weak else self.owned
         else:
             self.inputs = args  # the emulation recomputes from the captured inputs
             self.graph = None
@@ -231,7 +212,7 @@ class PieceRunner(nn.Module):
         graph = self.graphs.get(size)
         if graph is None:
             if not self.res.lifecycle.may_capture:
-                self.res.fallback("uncaptured_size", f"{self.level.name} graph for size {size} was not "
+                self.res.fallback(Fallback.UNCAPTURED_SIZE, f"{self.level.name} graph for size {size} was not "
                                   "captured before serving; running the piece without a graph")
                 return self.fn(*args)
             if self.res.use_cuda and not self._warm:

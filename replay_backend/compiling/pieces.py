@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .. import torch_compat
+from ..compat import inductor as compat_inductor
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from ..config import ReplayConfig
 from ..counters import counters
 from ..passes.common import is_op
-from ..passes.region import TRIM
+from ..ops import TRIM
 from .piece_cache import PieceCache
 
 
@@ -56,7 +56,7 @@ class PieceCompiler(torch.fx.Interpreter):
         if info.kind != "graph":
             return out
         sub = self.fetch_attr(target)
-        fn, hit = self.cache.get_or_compile(sub, args, lambda: torch_compat.inductor_compile(
+        fn, hit = self.cache.get_or_compile(sub, args, lambda: compat_inductor.inductor_compile(
             sub, list(args), self.cfg.inductor_mode))
         counters.piece_cache_hits += int(hit)
         counters.compilations += int(not hit)

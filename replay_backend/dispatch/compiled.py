@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 from torch import fx
 
-from .. import torch_compat
+from ..compat import graphs as compat_graphs
 from ..config import ReplayConfig
 from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
@@ -180,7 +180,7 @@ class CompiledReplayModel:
         # Non-owning graph outputs need the capture order below (main, then replay) for
         # every graph in the pool: not when graphs were already captured lazily.
         fresh = not any(r.graphs for level in ("main", "replay") for r in self.runners(level))
-        self.res.weak_outputs = self.res.use_cuda and fresh and torch_compat.has_non_owning_alias()
+        self.res.weak_outputs = self.res.use_cuda and fresh and compat_graphs.has_non_owning_alias()
         stages = [("main", self.main_level.sizes, run_main_step)]
         if self.replay is not None and self.replay.level.sizes:
             stages.append(("replay", self.replay.level.sizes, self.replay.capture))

@@ -24,8 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from .. import torch_compat
-from ..triton_compat import INTERPRETED, kept_launch, tl, triton
+from ..fallbacks import Fallback
+from ..compat import graphs as compat_graphs
+from ..compat.triton import INTERPRETED, kept_launch, tl, triton
 
 MAX_TENSORS = 6
 BLOCK = 1024
@@ -208,7 +209,7 @@ class RowMoves:
         self._fallback = fallback
         self._plans: dict[tuple, Plan | str] = {}  # by signature
         self._launchers: dict[tuple, Callable] = {}  # kept builds by their key (Plan.key)
-        self._stream = torch_compat.raw_stream_getter()
+        self._stream = compat_graphs.raw_stream_getter()
         self._broken: str | None = None if triton is not None else "Triton is not installed"
 
     def _kernel(self, srcs, dsts, rows_t, scatter: bool) -> bool:
@@ -235,7 +236,7 @@ class RowMoves:
                 return True
             except Exception as e:  # noqa: BLE001 - the PyTorch ops still serve
                 why = self._broken = f"the kernel failed: {type(e).__name__}: {e}"
-        self._fallback("row_moves_kernel", f"trim op row moves: {why}; a launch per tensor instead")
+        self._fallback(Fallback.ROW_MOVES_KERNEL, f"trim op row moves: {why}; a launch per tensor instead")
         return False
 
     def warm(self, rows: Sequence[torch.Tensor], res: Sequence[torch.Tensor]) -> None:

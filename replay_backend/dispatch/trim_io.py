@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fallbacks import Fallback
 from ..counters import counters
 from ..step_metadata import MetadataBuffer
 from ..capture.graphs import GraphResources, StaticGraph
@@ -84,7 +85,7 @@ class TrimIO:
             raise RuntimeError("trim gather graphs were captured already: their index cannot move")
         data = metadata.data
         if data.device != self.index.device or data.shape[0] < self.rmax + 1:
-            self.res.fallback("trim_index_in_place", f"the metadata buffer ({data.shape[0]} entries on "
+            self.res.fallback(Fallback.TRIM_INDEX_IN_PLACE, f"the metadata buffer ({data.shape[0]} entries on "
                               f"{data.device}) cannot hold {self.rmax + 1} on {self.index.device}: "
                               "every graphed trimming step copies its rows")
             return

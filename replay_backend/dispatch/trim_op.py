@@ -1,4 +1,4 @@
-"""The trim-and-redispatch op and the replay-region runtime behind it (SPEC §4-§6).
+"""The replay-region runtime behind the trim-and-redispatch op (``replay_backend/ops.py``).
 
 The op sits in the main graph where the replay region was. It executes the step's
 plan (decide.py, made before the step ran): it gathers the replay rows into static
@@ -15,29 +15,13 @@ from collections import deque
 import torch
 from torch import nn
 
-from .. import torch_compat
 from ..config import ReplayConfig
 from ..counters import counters
 from ..forward_context import get_forward_context
-from ..oplib import define_op, no_output
 from ..capture.graphs import GraphLevel, GraphResources
 from .decide import Sizes, StepKind, StepPlan, main_size, plan_step, wants_trim
 from .row_moves import RowMoves
 from .trim_io import TrimIO
-
-
-def _trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor],
-                         outs: list[torch.Tensor], region: int) -> None:
-    runtime = get_forward_context().replay_runtime
-    if runtime is None:
-        raise RuntimeError("trim_and_redispatch ran outside a dsv41_replay compiled model")
-    runtime(rows, consts, outs)
-
-
-trim_and_redispatch = define_op(
-    "dsv41_replay::trim_and_redispatch",
-    "(Tensor[] rows, Tensor[] consts, Tensor(a!)[] outs, int region) -> ()",
-    _trim_and_redispatch, no_output, torch_compat.step_dependent_tags())
 
 
 def dp_agree(needs: bool, rows: int, group) -> tuple[bool, int]:

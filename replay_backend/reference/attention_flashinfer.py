@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture.graphs import process_fallback
+from ..fallbacks import process_fallback
 from . import flashinfer_compat
 from .attention_merge import merge
 from .flashinfer_batches import PartSets, global_part, layout_of, padded, swa_part

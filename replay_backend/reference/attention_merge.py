@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ..triton_compat import KeptKernel, aligned, tl, triton
-from ..triton_compat import available as triton_available
+from ..compat.triton import KeptKernel, aligned, tl, triton
+from ..compat.triton import available as triton_available
 
 LN2 = math.log(2.0)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import torch_compat
+from ..compat import dynamo as compat_dynamo
 from ..batch import ViewField, int64_tensor
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
@@ -261,14 +261,14 @@ def _source_attention(q, kv, comp_kv, comp_gate, comp_norm, sink, out, layer: in
 
 _ATTN_SCHEMA = "(Tensor q, Tensor kv, Tensor sink, Tensor(a!) out, int layer) -> ()"
 swa_attention = define_op("dsv41::swa_attention", _ATTN_SCHEMA, _swa_attention, no_output,
-                          torch_compat.step_dependent_tags())
+                          compat_dynamo.step_dependent_tags())
 global_attention = define_op("dsv41::global_attention", _ATTN_SCHEMA, _global_attention, no_output,
-                             torch_compat.step_dependent_tags())
+                             compat_dynamo.step_dependent_tags())
 source_attention = define_op(
     "dsv41::source_attention",
     "(Tensor q, Tensor kv, Tensor comp_kv, Tensor? comp_gate, Tensor comp_norm, Tensor sink, "
     "Tensor(a!) out, int layer) -> ()",
-    _source_attention, no_output, torch_compat.step_dependent_tags())
+    _source_attention, no_output, compat_dynamo.step_dependent_tags())
 
 
 ATTENTION_OPS = (

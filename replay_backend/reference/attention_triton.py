@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from ..triton_compat import KeptKernel, aligned, available, tl, triton  # noqa: F401  (available: callers ask this module)
+from ..compat.triton import KeptKernel, aligned, available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK_M = 64
 BLOCK_N = 64

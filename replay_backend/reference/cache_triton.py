@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_compat import KeptKernel, tl, triton
+from ..compat.triton import KeptKernel, tl, triton
 
 SWA_ONLY, RATIO_1, RATIO_2 = 0, 1, 2
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .. import torch_compat
+from ..compat import dynamo as compat_dynamo
 from ..bench import run as bench
 from ..backend import ReplayBackend
 from .batch_spec import GRAMMAR, parse_batch_spec
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except Exception as e:  # noqa: BLE001 - a user's error, however wrapped, is one line
-        err = torch_compat.user_error(e)
+        err = compat_dynamo.user_error(e)
         if err is None:
             raise
         print(f"replay-backend: error: {err}", file=sys.stderr)

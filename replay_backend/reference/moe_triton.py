@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_compat import INTERPRETED, KeptKernel, aligned, libdevice, tl, triton
-from ..triton_compat import available  # noqa: F401  (callers ask this module)
+from ..compat.triton import INTERPRETED, KeptKernel, aligned, libdevice, tl, triton
+from ..compat.triton import available  # noqa: F401  (callers ask this module)
 
 BLOCK = 256  # pairs per program of the counting sort
 MAX_BLOCKS = 256  # blocks one sort takes: every program reads all blocks' counts

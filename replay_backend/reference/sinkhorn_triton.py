@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_compat import KeptKernel, aligned, available, tl, triton  # noqa: F401  (available: callers ask this module)
+from ..compat.triton import KeptKernel, aligned, available, tl, triton  # noqa: F401  (available: callers ask this module)
 
 BLOCK = 64
 

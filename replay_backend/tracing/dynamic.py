@@ -15,12 +15,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import torch_compat
-
-
+from ..compat import dynamo as compat_dynamo
 def mark_token_dims(*tensors: torch.Tensor) -> None:
     """Mark dim 0 (the token count) of each tensor dynamic for the next Dynamo trace."""
-    torch_compat.mark_tokens_dynamic(*tensors)
+    compat_dynamo.mark_tokens_dynamic(*tensors)
 
 
 def call_dynamic(fn: Callable, tokens: Sequence[torch.Tensor], serving: bool, *args, **kwargs):
@@ -28,9 +26,9 @@ def call_dynamic(fn: Callable, tokens: Sequence[torch.Tensor], serving: bool, *a
     serving it traces size-obliviously (no one-token specialisation); once serving, a
     trace is a recompile, an error, so the size-oblivious knob, whose config patch is
     host time on every step, is left out."""
-    torch_compat.mark_tokens_dynamic(*tokens)
+    compat_dynamo.mark_tokens_dynamic(*tokens)
     if serving:
-        with torch_compat.no_recompile():
+        with compat_dynamo.no_recompile():
             return fn(*args, **kwargs)
-    with torch_compat.size_oblivious():
+    with compat_dynamo.size_oblivious():
         return fn(*args, **kwargs)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..fallbacks import Fallback
 from ..compat import shapes
 
 
@@ -50,7 +51,7 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
     if problem is None and not syms:
         return
     if problem is not None:
-        fallback("token_guards", f"{problem}: the token count's guards are not checked, and a one-token "
+        fallback(Fallback.TOKEN_GUARDS, f"{problem}: the token count's guards are not checked, and a one-token "
                  "call through Dynamo recompiles")
         return
     one_only = []

@@ -10,8 +10,9 @@ from typing import Callable
 
 import torch
 
-from . import torch_compat
-from .capture.graphs import process_fallback
+from ..fallbacks import Fallback
+from . import graphs as compat_graphs
+from ..fallbacks import process_fallback
 
 
 try:
@@ -57,7 +58,7 @@ def direct_launcher(build) -> Callable | None:
     if launcher is None or function is None or meta is None or runtime is None:
         return None
     if not launch_layout_verified(type(build)):
-        process_fallback("triton_launch_layout", f"this Triton's compiled kernel does not launch as {_LAUNCH}; "
+        process_fallback(Fallback.TRITON_LAUNCH_LAYOUT, f"this Triton's compiled kernel does not launch as {_LAUNCH}; "
                          "kept kernels launch through Triton's entry")
         return None
 
@@ -118,7 +119,7 @@ class KeptKernel:
     def __init__(self, kernel, **options) -> None:
         self.kernel, self.options = kernel, options
         self._kept: dict[tuple, Callable] = {}
-        self._stream = torch_compat.raw_stream_getter()
+        self._stream = compat_graphs.raw_stream_getter()
 
     def __call__(self, key: tuple, grid: tuple[int, int, int], device: torch.device, args: tuple,
                  constexprs: dict) -> None:
