@@ -1,0 +1,177 @@
+"""The serving API a user's loop calls: StepSetup, capture from a setup, the step
+record, the one-trace check, and the errors that name a misuse."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import replay_backend
+from replay_backend import CacheLayout, ReplayBackend, RequestChunk, StepSetup, ViewField, counters
+from replay_backend.fallbacks import StrictFallbackError
+from replay_backend.reference.compare import max_abs_err
+from replay_backend.reference.runner import StepRunner
+from replay_backend.tracing.generic import TokenCountError
+from llama_swa import LlamaServer, LlamaSWA
+
+from conftest import MAX_MODEL_LEN
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+W = 8
+OPTIONS = {"compiler": "eager", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64],
+           "decoder_replay_trim_threshold": 32, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("layout", (256, 8), "StepSetup.layout must be a CacheLayout"),
+    ("window", 0, r"StepSetup.window must be an integer >= 1, got 0"),
+    ("device", "bogus", "StepSetup.device"),
+    ("view_fields", {"x": 1}, "StepSetup.view_fields must map names to ViewField"),
+    ("prepare_view", 3, "StepSetup.prepare_view must be callable"),
+])
+def test_a_step_setup_names_the_field_it_refuses(field, value, message):
+    kw = dict(layout=CacheLayout(256, 8), window=W, kv=object())
+    with pytest.raises(ValueError, match=message):
+        StepSetup(**{**kw, field: value})
+
+
+def test_a_setup_must_agree_with_the_traced_window_and_with_the_one_already_given():
+    model = LlamaSWA(window=W).eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS)
+    server = LlamaServer(model, compiled)
+    with pytest.raises(RuntimeError, match=r"build_batch\(\) needs the model's StepSetup"):
+        compiled.build_batch([RequestChunk("a", 3, 3)], [[1, 2, 3]], [0])
+    server.warm_up()
+    wrong = StepSetup(server.layout, W * 2, server.cache)
+    with pytest.raises(ValueError, match=r"StepSetup.window=16 differs from the window W=8"):
+        compiled.capture(wrong)
+    compiled.capture(server.setup)
+    other = StepSetup(server.layout, W, LlamaServer(model).cache)  # another cache
+    with pytest.raises(ValueError, match="a different StepSetup"):
+        compiled.start_serving(other)
+    compiled.start_serving(StepSetup(server.layout, W, server.cache))  # equal: accepted
+
+
+def test_capture_needs_a_step_first_and_says_so():
+    model = LlamaSWA(window=W).eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS)
+    server = LlamaServer(model, compiled)
+    with pytest.raises(RuntimeError, match=r"capture\(\) while tracing: run one step"):
+        compiled.capture(server.setup)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_view_field_without_a_bound_is_a_counted_fallback_for_the_metadata_buffer(strict):
+    """Served batches go to one fixed buffer sized from every field's bound: a field
+    without one means fresh memory per step (counted), or an error under strict."""
+    model = LlamaSWA(window=W).eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options={**OPTIONS, "strict": strict})
+    server = LlamaServer(model, compiled)
+    fields = {"row_ids": ViewField(lambda q, s, k, b, w: torch.arange(q[-1]))}  # no max_rows
+    server.setup = StepSetup(server.layout, W, server.cache, view_fields=fields)
+    server.warm_up()
+    if strict:
+        with pytest.raises(StrictFallbackError, match="metadata_in_place: .*ViewField 'row_ids' has no max_rows"):
+            compiled.capture(server.setup)
+        return
+    with counters.expect(strict=False, fallbacks={"metadata_in_place": 1}):
+        compiled.capture(server.setup)
+    compiled.start_serving()
+    assert compiled.backend.metadata is None
+    got, result = server.step([RequestChunk("a", 40, 40)])
+    want, _ = LlamaServer(model).step([RequestChunk("a", 40, 40)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert result.trimmed
+
+
+class EvenOnly(nn.Module):
+    """Pairs the token rows up: the traced graph holds only for even token counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pairs = x.reshape(x.shape[0] // 2, 2, 8)
+        return self.w(pairs.flip(1).reshape(x.shape[0], 8))
+
+
+def test_a_trace_that_holds_only_for_some_token_counts_is_refused_naming_its_guard():
+    compiled = replay_backend.compile(EvenOnly(), ("x",), options={"compiler": "eager"})
+    with pytest.raises(Exception) as info, torch.no_grad():
+        compiled(torch.randn(6, 8))
+    err = info.value
+    assert isinstance(_inner(err), TokenCountError), err
+    assert "holds only for some token counts" in str(err) and "fails at 3 tokens" in str(err)
+    assert "test_serving.py" in str(err)  # the line that made the guard
+
+
+def _inner(exc):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, TokenCountError):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+    return None
+
+
+def test_bare_torch_compile_with_a_one_token_first_step_names_the_fix():
+    model = LlamaSWA(window=W).eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(model)
+    batch = server.setup.dummy_batch(1)
+    with pytest.raises(Exception, match="first step of at least 2 tokens"):
+        with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+            compiled(batch.input_ids, batch.positions)
+
+
+def test_a_served_call_out_of_context_or_grad_mode_names_the_cause():
+    """Bare torch.compile serves through Dynamo's guards: a call outside the forward
+    context is named as such, and one with grad mode on would trace anew: the error
+    says why."""
+    model = LlamaSWA(window=W).eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(model)
+    batch = server.setup.dummy_batch(W)
+    with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+        compiled(batch.input_ids, batch.positions)
+    be = replay_backend.backend_of(compiled)
+    be.capture(server.setup)
+    be.start_serving()
+    with pytest.raises(RuntimeError, match="no forward context is set"):
+        with torch.no_grad():
+            compiled(batch.input_ids, batch.positions)
+    with pytest.raises(Exception, match="traced with grad mode off and is now called with it on"):
+        with replay_backend.set_forward_context(server.setup.context(batch)):
+            compiled(batch.input_ids, batch.positions)
+
+
+def test_prompt_logprobs_of_a_keep_all_request_in_a_trimming_step_match_the_oracle(model):
+    """A request asking for prompt logprobs keeps all its rows and is never trimmed: in
+    a step that trims its neighbour, each of its rows' log-probability of the next
+    prompt token equals the eager model's."""
+    be = ReplayBackend(compiler="eager", max_num_seqs=4, max_cudagraph_capture_size=64,
+                       decoder_replay_trim_threshold=48)
+    rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, backend=be)
+    ro = StepRunner(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    rc.capture()
+    for step in ([RequestChunk("k", 30, 30, keep_all=True), RequestChunk("p", 30, 30)],  # graphed, trims
+                 [RequestChunk("k", 20, 50, keep_all=True), RequestChunk("q", 60, 60)]):  # eager, trims
+        got, want = rc.step(step), ro.step(step)
+        assert got.result.trimmed and got.batch.replay.num_rows < got.batch.num_tokens
+        assert set(got.prompt_logprobs) == {"k"} and got.prompt_logprobs["k"].shape == (step[0].query_len,)
+        assert max_abs_err(got.prompt_logprobs["k"], want.prompt_logprobs["k"]) < 1e-4
+        assert (got.prompt_logprobs["k"] <= 0).all() and torch.isfinite(got.prompt_logprobs["k"]).all()
+
+
+def test_the_step_result_is_public_and_reachable_after_each_step(model):
+    be = ReplayBackend(compiler="eager", max_num_seqs=4, max_cudagraph_capture_size=64,
+                       decoder_replay_trim_threshold=48)
+    rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, backend=be)
+    rc.capture()
+    out = rc.step([RequestChunk("a", 1, 1)])
+    result = out.result
+    assert result == rc.compiled.last_step == be.last_step
+    assert (result.kind, result.num_tokens, result.padded_tokens) == (replay_backend.StepKind.PIECEWISE, 1, 1)
+    assert result.as_dict()["kind"] == "piecewise" and result.as_dict()["replay_graph"] is True
