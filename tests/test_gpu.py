@@ -127,7 +127,8 @@ def test_graph_replay_equals_eager_pieces_exactly(model32):
     be = ReplayBackend(compiler="inductor", **OPTS)
     graphs = StepRunner(model32, max_model_len=512, backend=be)
     graphs.capture()
-    plain = StepRunner(model32, max_model_len=512, forward=graphs.forward, backend=be)
+    # the same compiled model as a plain forward of a runner of its own (its own cache)
+    plain = StepRunner(model32, max_model_len=512, forward=graphs.compiled)
     og = graphs.step(reqs)
     assert og.step.kind == "piecewise" and og.step.padded_tokens == 56
     assert og.trim.trimmed and og.trim.graph and og.trim.io_graphs and og.trim.padded == og.trim.rows == 32

@@ -29,6 +29,7 @@ from .attention_flashinfer import FlashInferAttention, check_supported
 from .dsv41_mini import DSv41Mini
 from ..config import MAX_NUM_BATCHED_TOKENS, check_size
 from ..serving import ReplayCompiled, StepSetup
+from ..step_metadata import to_device
 
 log = logging.getLogger("replay_backend")
 
@@ -261,7 +262,8 @@ class StepRunner:
             nxt = self.tokens(r.req_id, r.context_len + 1, min(r.seq_len + 1, self.layout.max_model_len))
             rows = hidden[qsl[i]:qsl[i] + nxt.shape[0]]
             lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            out[r.req_id] = lp.gather(1, nxt.to(lp.device)[:, None])[:, 0]
+            # pinned and asynchronous: a served step never waits for the GPU
+            out[r.req_id] = lp.gather(1, to_device(nxt, lp.device)[:, None])[:, 0]
         return out
 
     def step(self, requests: Iterable[RequestChunk], eager_replay: str = "off",
