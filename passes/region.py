@@ -4,7 +4,7 @@ The region becomes its own graph module (inputs: the row-indexed values passed t
 ``replay_begin``, then the row-independent values it reads, e.g. weights). In the main
 graph it is replaced by one ``trim_and_redispatch`` call that writes into output
 tensors allocated just before it, so they belong to the preceding graph piece and have
-a stable address when that piece is captured (SPEC §7).
+a stable address when that piece is captured.
 """
 from __future__ import annotations
 

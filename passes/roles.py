@@ -3,7 +3,7 @@
 The backend imports no model, so a model tells it which of its ops play a part:
 
 * ``ATTENTION``: an attention break. It stays eager between the graph pieces, reads
-  the step's metadata, and writes into an out-argument (SPEC §7). These are the default
+  the step's metadata, and writes into an out-argument. These are the default
   ``splitting_ops``.
 * ``KV_SOURCE``: an attention op that also writes KV which later layers read; none may
   follow the decoder-replay cut.

@@ -16,7 +16,7 @@ from .common import is_op, layers_of, op_name, op_tags
 
 @dataclass
 class PieceInfo:
-    """One piece of a split graph, as shown by ``inspect`` (SPEC §8)."""
+    """One piece of a split graph, as shown by ``inspect``."""
 
     name: str  # submodule name in the split graph
     kind: str  # "graph" | "attention" | "replay"

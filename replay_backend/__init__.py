@@ -6,7 +6,7 @@ from .lifecycle import Phase
 from .batch import (AttnView, ReplayRows, RequestChunk, StepBatch, ViewField, build_step_batch, dummy_step_batch,
                     replay_rows_for)
 from .config import ReplayConfig
-# The Counters object (SPEC §8: ``replay_backend.counters.expect(...)``), not the module.
+# The Counters object (``replay_backend.counters.expect(...)``), not the module.
 from .counters import counters
 from .tracing.dynamic import mark_token_dims
 from .serving import ReplayCompiled, StepSetup, compile

@@ -1,4 +1,4 @@
-"""Per-step batch metadata and the replay batch (SPEC §3-§4).
+"""Per-step batch metadata and the replay batch.
 
 Everything here is built on the host from plain integers, so attention and the trim op
 never need a device-to-host sync to learn a request's layout, and it reaches the device
@@ -112,7 +112,7 @@ class AttnView:
 
 @dataclass(frozen=True)
 class ReplayBatch:
-    """The rows the replay layers need (SPEC §4), as indices into the step's batch."""
+    """The rows the replay layers need, as indices into the step's batch."""
 
     rows: tuple[int, ...]  # ascending and unique (the trim op's scatter searches them)
     rows_t: torch.Tensor  # [num_rows] int64 on the model's device
@@ -181,7 +181,8 @@ def replay_rows(requests: list[RequestChunk] | tuple[RequestChunk, ...], window:
                 ) -> tuple[list[int], list[int]]:
     """Rows kept for the replay layers and their ``query_start_loc``.
 
-    SPEC §4 example (W=128): query lens [1, 250, 60] give rows
+    Each request keeps its last ``min(query_len, W)`` rows (all with ``keep_all``): with
+    W=128, query lens [1, 250, 60] give rows
     ``[0] + [123..250] + [251..310]`` and ``query_start_loc [0, 1, 129, 189]``.
     """
     rows: list[int] = []
@@ -197,12 +198,12 @@ def replay_rows(requests: list[RequestChunk] | tuple[RequestChunk, ...], window:
 
 @dataclass(frozen=True)
 class ReplayRows:
-    """A step's replay batch as host data (SPEC §4), from the step protocol alone: each
+    """A step's replay batch as host data, from the step protocol alone: each
     request's query length, sequence length, keep-all flag and optional floor.
 
     ``rows`` index the step's flattened batch (request order, ascending); ``positions``
     are their sequence positions; ``query_start_loc`` splits them by request;
-    ``kv_start`` is each request's bounded-replay floor (0 = none, SPEC §3). Apply
+    ``kv_start`` is each request's bounded-replay floor (0 = none). Apply
     :meth:`take` to any per-token tensor (slot mappings, ids) to get its kept rows."""
 
     rows: tuple[int, ...]
@@ -222,7 +223,7 @@ class ReplayRows:
 
 def replay_rows_for(requests, window: int) -> ReplayRows:
     """The replay batch of a step of ``requests`` (RequestChunks) at sliding window
-    ``window``: SPEC §4's example, W = 128, query lens ``[1, 250, 60]`` and seq lens
+    ``window``: with W = 128, query lens ``[1, 250, 60]`` and seq lens
     ``[700, 250, 260]``, keeps rows ``[0] + [123..250] + [251..310]``, with
     ``query_start_loc [0, 1, 129, 189]`` and request 1's floor at position 122."""
     if window < 1:

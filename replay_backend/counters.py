@@ -1,4 +1,4 @@
-"""Counters of what the backend did, for tests and debugging (SPEC §8).
+"""Counters of what the backend did, for tests and debugging.
 
 ``counters.expect(trims=1, captures={"replay": 2})`` is a context manager that checks
 the counters moved by exactly those deltas inside its block (keys not named must not

@@ -21,7 +21,7 @@ class ForwardContext:
     batch: "StepBatch"
     kv: Any  # the model's own caches, opaque to the backend; its attention ops read them
     # Behaviour of the replay markers when the model runs *uncompiled*: "off" runs the
-    # replay layers on the whole batch, "parent" on the replay batch (SPEC §4).
+    # replay layers on the whole batch, "parent" on the replay batch.
     eager_replay: str = "off"
     # Metadata the attention ops read now: the whole batch, or the replay batch while
     # the replay region runs on it.

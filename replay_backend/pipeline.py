@@ -1,4 +1,4 @@
-"""The stages that turn one traced graph into a compiled model, in order (SPEC §1):
+"""The stages that turn one traced graph into a compiled model, in order:
 find and check the replay region, decide the main graphs' sizes, split at the
 attention ops, compile and wrap the pieces, and record the split plan. Each stage is
 one function; :func:`build` runs them.

@@ -1,4 +1,4 @@
-"""The split plan: what the backend built, as a typed record (``inspect``, SPEC §8).
+"""The split plan: what the backend built, as a typed record (``inspect``).
 
 ``plan_of(obj)`` gets it from anything that holds a compiled model (a ReplayBackend, a
 StepRunner built with ``backend=``, a CompiledReplayModel, or a ``torch.compile``-d

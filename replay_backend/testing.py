@@ -1,4 +1,4 @@
-"""Assertion helpers for users' graph-shape tests (SPEC §8). No pytest import here: the
+"""Assertion helpers for users' graph-shape tests. No pytest import here: the
 pytest plugin (``replay_backend.pytest_plugin``) exposes these through fixtures, and
 any test framework can call them directly.
 

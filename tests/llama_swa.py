@@ -96,7 +96,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.attn_norm(x)).view(x.shape[0], 3, self.heads, -1).unbind(1)
-        out = torch.empty_like(q)  # allocated here: the out-argument protocol (SPEC §7)
+        out = torch.empty_like(q)  # allocated here: the out-argument protocol
         if self.window is None:
             torch.ops.llama_swa.full_attention(q, k, v, out, self.layer)
         else:

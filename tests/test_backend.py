@@ -1,4 +1,4 @@
-"""DSv4.1-mini through the compiled backend vs the eager oracle (SPEC §3-§7).
+"""DSv4.1-mini through the compiled backend vs the eager oracle.
 
 The 8-layer config of conftest (window W=16, layers 4..7 replay layers), pieces
 compiled with ``compiler="eager"``, graphs emulated on CPU. Main capture sizes for
@@ -124,7 +124,7 @@ def _ceil(sizes, n):
 
 
 def expected_dispatch(batch, main_sizes, replay_sizes, threshold, replay_graphs=True):
-    """(kind, padded_tokens, trimmed, replay rows or None, replay padded) per SPEC §5-§6."""
+    """(kind, padded_tokens, trimmed, replay rows or None, replay padded) by the dispatch rules."""
     t = batch.num_tokens
     tp = _ceil(main_sizes, t)
     if tp is not None:
@@ -848,7 +848,7 @@ def test_piece_runner_debug_mode_detects_a_moved_input():
 def test_piece_runner_first_serving_replay_detects_a_moved_input():
     """On CPU the capture call returns the captured outputs without a replay, so the
     first serving step is the graph's first replay and its address check sees a moved
-    input (SPEC §7: checked on the first replay of every graph, always)."""
+    input (checked on the first replay of every graph, always)."""
     res = GraphResources(use_cuda=False)
     level = GraphLevel("main", [4], size=4)
     runner = PieceRunner("toy", _fn, level, res)

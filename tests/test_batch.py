@@ -1,4 +1,4 @@
-"""Replay-batch construction (SPEC §3-§4) against hand-worked examples, and input validation."""
+"""Replay-batch construction against hand-worked examples, and input validation."""
 from __future__ import annotations
 
 import pytest
@@ -34,31 +34,31 @@ def _list(t: torch.Tensor) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------
-# SPEC §4's worked example
+# The worked example of docs/design.md (Replay rows)
 # --------------------------------------------------------------------------------------
-SPEC_W = 128
-SPEC_REQS = [R("dec", 1, 700), R("pre", 250, 250), R("chunk", 60, 260)]
+EXAMPLE_W = 128
+EXAMPLE_REQS = [R("dec", 1, 700), R("pre", 250, 250), R("chunk", 60, 260)]
 
 
-def test_spec_example_rows_and_query_start_loc():
-    rows, qsl = replay_rows(SPEC_REQS, SPEC_W)
+def test_documented_example_rows_and_query_start_loc():
+    rows, qsl = replay_rows(EXAMPLE_REQS, EXAMPLE_W)
     expected = [0] + list(range(123, 251)) + list(range(251, 311))
     assert rows == expected
     assert len(rows) == 189
     assert qsl == [0, 1, 129, 189]
-    assert [kept_len(r, SPEC_W) for r in SPEC_REQS] == [1, 128, 60]
+    assert [kept_len(r, EXAMPLE_W) for r in EXAMPLE_REQS] == [1, 128, 60]
 
 
-def test_spec_example_floors():
-    assert [replay_floor(r, SPEC_W) for r in SPEC_REQS] == [0, 122, 0]
+def test_documented_example_floors():
+    assert [replay_floor(r, EXAMPLE_W) for r in EXAMPLE_REQS] == [0, 122, 0]
 
 
-def test_spec_example_step_batch():
+def test_documented_example_step_batch():
     layout = CacheLayout(max_model_len=1024, num_blocks=4)
     blocks = [2, 0, 3]
     base = [2048, 0, 3072]
     ids = [[5], list(range(250)), list(range(100, 160))]
-    b = build_step_batch(SPEC_REQS, ids, blocks, layout, SPEC_W, "cpu", view_fields=COMP_FIELD)
+    b = build_step_batch(EXAMPLE_REQS, ids, blocks, layout, EXAMPLE_W, "cpu", view_fields=COMP_FIELD)
 
     assert b.num_tokens == 311
     assert b.has_trimmable_rows
@@ -116,7 +116,7 @@ def test_metadata_fields_start_16_byte_aligned_whatever_the_sizes(qlens):
 
     layout = CacheLayout(max_model_len=1024, num_blocks=4)
     reqs = [R(f"r{i}", q, q + 7 * i) for i, q in enumerate(qlens)]
-    b = _build(reqs, layout, SPEC_W, view_fields=VIEW_FIELDS)
+    b = _build(reqs, layout, EXAMPLE_W, view_fields=VIEW_FIELDS)
     fields = {"slot_mapping": b.view.slot_mapping, "comp slots": b.view.derived[COMP_SLOTS],
               "logits_indices": b.logits_indices, "count_rows": b.replay.count_rows,
               "replay slot_mapping": b.replay.view.slot_mapping, "replay positions": b.replay.positions,

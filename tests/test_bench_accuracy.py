@@ -67,7 +67,7 @@ def test_the_report_warns_about_a_drifting_mode():
 
 
 def test_the_reference_model_is_well_conditioned_in_bf16():
-    """SPEC §2: in bf16 the 40-layer model stays within 0.02 relative L2 of its fp32
+    """In bf16 the 40-layer model stays within 0.02 relative L2 of its fp32
     copy, and fp32 copies nudged by half a bf16 step stay as close, so a 16-bit check
     can see a real error (the bench's gate is 1.5 times this band)."""
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""torch.compile as users call it (SPEC §8): one backend state per torch.compile call,
+"""torch.compile as users call it: one backend state per torch.compile call,
 the token dimension dynamic from the first call, and the lifecycle in order."""
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_the_helper_checks_its_arguments_before_any_trace():
         compiled(torch.randn(3, 8), torch.arange(4))
 
 
-def test_the_replay_rows_of_spec_4s_example():
+def test_the_replay_rows_of_the_documented_example():
     from replay_backend import RequestChunk, replay_rows_for
 
     step = [RequestChunk("a", 1, 700), RequestChunk("b", 250, 250), RequestChunk("c", 60, 260)]

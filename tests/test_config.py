@@ -24,7 +24,7 @@ def _fresh_dynamo():
 # --------------------------------------------------------------------------------------
 # Defaults
 # --------------------------------------------------------------------------------------
-def test_defaults_match_the_spec():
+def test_defaults_match_the_documented_values():
     cfg = ReplayConfig.from_options({})
     assert cfg == ReplayConfig.from_options(None) == ReplayConfig()
     assert cfg.decoder_replay_trim_threshold == 768

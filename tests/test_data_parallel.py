@@ -1,4 +1,4 @@
-"""Data parallelism (SPEC §6): every rank replays if any does, all pad to one size."""
+"""Data parallelism: every rank replays if any does, all pad to one size."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""The step's one decision (SPEC §5-§6) as a table: ``plan_step`` against the rules
+"""The step's one decision as a table: ``plan_step`` against the rules
 written out here independently, for every token count and replay-row count of a small
 configuration, and its special cases (no graphs, main capture, data-parallel ranks)."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def ceil(sizes, n):
 
 
 def expected(t: int, rows: int, trimmable: bool):
-    """(kind, padded, trim, replay padded, io graphs, record rows) by SPEC §5-§6."""
+    """(kind, padded, trim, replay padded, io graphs, record rows) by the dispatch rules."""
     tp = ceil(MAIN, t)
     if tp is not None:  # a graphed step trims from the threshold on, trimmable or not
         kind, padded, trim = "piecewise", tp, tp >= THRESHOLD
@@ -70,7 +70,7 @@ def test_without_replay_graphs_or_a_region_graphed_steps_never_trim():
     no_replay = Sizes(MAIN, (), frozenset(s for s in MAIN), None, frozenset(), has_region=True)
     p = plan_step(no_replay, 50, 16, True)
     assert (p.kind, p.trim, p.replay_padded) == (StepKind.PIECEWISE, False, 56)
-    assert plan_step(no_replay, 100, 16, True).trim  # an eager step still trims (SPEC §5)
+    assert plan_step(no_replay, 100, 16, True).trim  # an eager step still trims
     bare = Sizes(MAIN)
     p = plan_step(bare, 50, 16, True)
     assert (p.trim, p.record) == (False, None)

@@ -1,4 +1,4 @@
-"""The eager ``off`` (oracle) and ``parent`` (trimmed) modes agree (SPEC §3-§5).
+"""The eager ``off`` (oracle) and ``parent`` (trimmed) modes agree.
 
 ``off`` runs the replay layers on the whole batch with the floor applied; ``parent``
 runs them on the replay rows only. Trimming is a dead-row elimination, so each

@@ -1,4 +1,4 @@
-"""The bench's model-FLOPs count (SPEC §9 MFU): projections against the reference model's
+"""The bench's model-FLOPs count (for its MFU): projections against the reference model's
 own weight shapes, attention keys against a row-by-row count."""
 from __future__ import annotations
 

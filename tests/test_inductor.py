@@ -1,4 +1,4 @@
-"""The backend with Inductor-compiled pieces vs the eager oracle (SPEC §1 step 3).
+"""The backend with Inductor-compiled pieces vs the eager oracle.
 
 Inductor on a 2-core CPU is slow to compile, so this uses a 5-layer config (layer 0
 SWA, 1 a ratio-2 source, 2 the ratio-1 source and cut, 3-4 replay layers), a small

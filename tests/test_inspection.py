@@ -1,4 +1,4 @@
-"""Inspection (SPEC §8, §10): plan_of and its JSON, the dump directory, TORCH_TRACE
+"""Inspection: plan_of and its JSON, the dump directory, TORCH_TRACE
 artifacts, graph-code logging, logging, and the depyf shim / fallback.
 
 One compiled, captured runner (8-layer DSv4.1-mini, W=16, plain FX pieces) is shared by
@@ -129,7 +129,7 @@ def test_plan_runner_stats(env):
     assert "steps dispatched by size: 16: 2, 32: 1" in plan.render()
 
 
-def test_plan_json_has_the_spec_fields_and_round_trips(env):
+def test_plan_json_has_the_documented_fields_and_round_trips(env):
     d = json.loads(plan_of(env.be).to_json())
     assert d["window"] == 16 and d["trim_threshold"] == 48 and d["replay_layers"] == [4, 7]
     assert d["capture_sizes"] == [8, 32, 64] and d["replay_capture_sizes"] == [16, 32]

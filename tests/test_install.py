@@ -91,7 +91,7 @@ def test_wheel_install_imports_passes(wheel, tmp_path):
 
 
 def test_public_surface():
-    """SPEC §8: ``replay_backend.counters`` is the counters object with ``expect``."""
+    """``replay_backend.counters`` is the counters object with ``expect``."""
     import replay_backend
 
     assert hasattr(replay_backend.counters, "expect")

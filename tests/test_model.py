@@ -1,4 +1,4 @@
-"""Building blocks of DSv4.1-mini against straightforward references (SPEC §2)."""
+"""Building blocks of DSv4.1-mini against straightforward references."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Graph-shape tests of the FX passes on a toy model (SPEC §1, §5, §7).
+"""Graph-shape tests of the FX passes on a toy model.
 
 The toy model has the shape the passes care about and nothing else: a few layers, each
 with a row-local "attention" custom op that follows the out-argument protocol, and the
@@ -70,7 +70,7 @@ class ToyLayer(nn.Module):
 
     def forward(self, h, pos):
         q = self.w(h) + pos[:, None].float() * 0.01
-        out = torch.empty_like(q)  # allocated by the preceding piece (SPEC §7)
+        out = torch.empty_like(q)  # allocated by the preceding piece: the out-argument protocol
         torch.ops.toytest.attn(q, out, self.i)
         return h + torch.tanh(out)
 

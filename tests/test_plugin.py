@@ -1,4 +1,4 @@
-"""The pytest plugin (SPEC §8), run the way users run it: an installed ``pytest11``
+"""The pytest plugin, run the way users run it: an installed ``pytest11``
 entry point, exercised with pytest's own ``pytester`` on a user-style test file.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Model FLOPs of one step of DSv4.1-mini, counted from its config (SPEC §9's MFU).
+"""Model FLOPs of one step of DSv4.1-mini, counted from its config (for the bench's MFU).
 
 What a step must compute, not what a mode happens to launch: every projection of every
 row the model needs (in the replay layers, a trimmed step's kept rows only), the

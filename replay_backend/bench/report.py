@@ -1,5 +1,5 @@
-"""The benchmark report as text: the seed's table shape per capture setting, then
-compile, capture, memory and trim-op host time (SPEC §9)."""
+"""The benchmark report as text: per capture setting, a table of each mode's step time,
+the floor and replay's speed-ups, then compile, capture, memory and trim-op host time."""
 from __future__ import annotations
 
 MODES = ("eager", "off", "parent", "piecewise", "replay", "reduce-overhead")

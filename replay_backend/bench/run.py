@@ -1,4 +1,4 @@
-"""``replay-backend bench``: prefill-only step latency of every mode (SPEC §9).
+"""``replay-backend bench``: prefill-only step latency of every mode.
 
 All modes run in one process on the same model. A measurement is the TTFT of
 ``concurrency`` prompts of ``isl`` tokens with ``max_tokens=1``: every chunked-prefill

@@ -1,2 +1,2 @@
 """Capture: CUDA graphs of the pieces per padded size, one pool and one stream, and the
-memory they take (SPEC §7)."""
+memory they take."""

@@ -1,4 +1,4 @@
-"""Per-size graph runners for graph pieces (SPEC §6-§7).
+"""Per-size graph runners for graph pieces.
 
 A :class:`GraphLevel` is one dispatch level (the main graph, or the replay region): the
 padded size it runs at now, or ``None`` for a step without graphs. Each compiled piece
@@ -42,7 +42,7 @@ log = logging.getLogger("replay_backend")
 
 @dataclass
 class GraphResources:
-    """What main and replay graphs share: one pool, one capture stream (SPEC §7)."""
+    """What main and replay graphs share: one pool, one capture stream."""
 
     use_cuda: bool
     strict: bool = False
@@ -174,7 +174,7 @@ class StaticGraph:
                 raise RuntimeError(
                     f"{self.name}: input {i} changed since capture ({want!r} -> {got!r}); the graph "
                     "would read stale memory. Every eager op between pieces must write into a "
-                    "buffer allocated by the preceding piece (SPEC §7).")
+                    "buffer allocated by the preceding piece (see docs/design.md, Graph invariants).")
 
     def replay(self, args: tuple):
         if self.replays == 0 or self.res.check_every_replay:

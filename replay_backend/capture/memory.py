@@ -1,4 +1,4 @@
-"""Graph memory estimate before capture (SPEC §7: know the cost before paying it).
+"""Graph memory estimate before capture, so the cost is known before it is paid.
 
 All graphs share one pool and keep non-owning outputs (``capture/graphs.py``), so the
 pool settles at about one step's activations at the largest main size, plus the

@@ -77,7 +77,7 @@ def log_graph_code(title: str, gm: torch.fx.GraphModule) -> None:
 
 
 def adapt_depyf() -> bool:
-    """Make an active ``depyf.prepare_debug`` work with this torch and this model (SPEC §10).
+    """Make an active ``depyf.prepare_debug`` work with this torch and this model.
 
     1. depyf (0.20) replaces ``PyCodeCache.load_by_key_path`` with a hook taking
        ``(key, path, linemap, attrs)``; torch >= 2.13 also passes ``set_sys_modules=``, so

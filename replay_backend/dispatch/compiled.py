@@ -1,7 +1,7 @@
 """The callable the backend returns: pads each step, dispatches main graphs, captures.
 
 Inputs whose first dimension is the token count are copied into persistent buffers
-sliced to the padded size (SPEC §7: captured pieces read stable addresses); symbolic
+sliced to the padded size, so captured pieces read stable addresses; symbolic
 token-count arguments are replaced by the padded size.
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ class CompiledReplayModel:
         return estimate_graph_memory(self, run_step_without_graphs, replay_view_for)
 
     def capture(self, run_main_step, replay_view_for, metadata=None) -> dict:
-        """Capture every main size, then every replay size, largest first (SPEC §7), while
+        """Capture every main size, then every replay size, largest first, while
         the backend's phase is capturing (``ReplayBackend.capture`` moves it).
 
         ``run_main_step(n)`` runs one dummy step of ``n`` tokens through the compiled

@@ -1,4 +1,4 @@
-"""One decision per step (SPEC §5-§6): how a step runs, decided once, before it runs.
+"""One decision per step: how a step runs, decided once, before it runs.
 
 The step kind and padded size, whether the replay region trims, the replay graph size,
 whether the trim op's gathers and scatter replay as graphs: all follow from the step's
@@ -120,7 +120,7 @@ def main_size(sizes: Sizes, num_tokens: int, use_graphs: bool = True) -> int | N
 
 
 def wants_trim(sizes: Sizes, padded: int | None, trimmable: bool) -> bool:
-    """SPEC §5: a graphed step trims from the threshold on (whether or not anything is
+    """A graphed step trims from the threshold on (whether or not anything is
     trimmable: then every row is a replay row); a step without main graphs trims when a
     prefill is longer than the window."""
     if padded is not None:
@@ -135,7 +135,7 @@ def plan_step(sizes: Sizes, num_tokens: int, replay_rows: int, trimmable: bool, 
     ``use_graphs`` false: no graph at all (warm-up and memory probes). ``region_graphs``
     false: the region runs without graphs (while the main graphs are captured).
     ``agreed``: (trim, most replay rows of any rank) after data-parallel ranks agreed
-    (SPEC §6: every rank replays if any does, all at the size of the largest)."""
+    (every rank replays if any does, all at the size of the largest)."""
     padded = main_size(sizes, num_tokens, use_graphs)
     trim = wants_trim(sizes, padded, trimmable) if sizes.has_region else False
     rows_max = replay_rows if trim else 0

@@ -40,7 +40,7 @@ class ReplayRuntime:
                  replay_sizes: list[int], res: GraphResources, dp_group=None,
                  main_sizes: list[int] | None = None) -> None:
         self.region, self.cfg, self.window = region, cfg, window
-        self.dp_group = dp_group  # data-parallel ranks that must replay together (SPEC §6)
+        self.dp_group = dp_group  # data-parallel ranks that must replay together
         self.level, self.res = level, res
         self.replay_sizes = sorted(replay_sizes)  # sizes a trimmed step pads to (ascending)
         # Main sizes whose steps trim (PIECEWISE, at or above the threshold): their gathers

@@ -1,4 +1,4 @@
-"""DSv4.1-mini, the reference model family (SPEC §2)."""
+"""DSv4.1-mini, the reference model family."""
 from .config import PRESETS, ModelConfig, preset
 from .dsv41_mini import DSv41Mini
 

@@ -1,6 +1,6 @@
 """DSv4.1 attention through FlashInfer's paged prefill kernels (``attention_impl="flashinfer"``).
 
-SPEC §2's softmax runs over the union of two key sets, the layer's own SWA keys and the
+A row's softmax runs over the union of two key sets, the layer's own SWA keys and the
 global entries of its source, plus a per-head sink. FlashInfer computes each key set as
 one attention state (output and log-sum-exp); :func:`merge` combines the two with the
 sink into the layer's output, which is the same softmax because a softmax over a union

@@ -1,7 +1,7 @@
 """DSv4.1 attention as ``torch.library`` custom ops, one per layer kind.
 
 The ops are opaque to Dynamo (fake impls return nothing), follow the out-argument
-protocol of SPEC §7 (they write into ``out``, which the preceding graph piece
+protocol (they write into ``out``, which the preceding graph piece
 allocated, so a captured next piece reads a stable address), and read the step's
 layout, the KV caches and the replay floor from the forward context.
 
@@ -114,7 +114,7 @@ def _attend_request(q: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | Non
 
 def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w: torch.Tensor,
               view, caches, eps: float) -> None:
-    """KV-source compressor: write this step's global entries (SPEC §2)."""
+    """KV-source compressor: write this step's global entries."""
     n = view.num_tokens
     glob = caches.glob[layer]
     slots = view.slot_mapping

@@ -8,7 +8,7 @@ from .kv_caches import KVCaches
 
 
 def replay_kv_slots(batch: StepBatch) -> torch.Tensor:
-    """Cache slots of the rows the replay layers keep (the only rows SPEC §3 defines)."""
+    """Cache slots of the rows the replay layers keep (the only ones a later step reads)."""
     slots = []
     for i, r in enumerate(batch.requests):
         k = kept_len(r, batch.window)
@@ -56,7 +56,7 @@ def worst_row_rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # 16-bit comparisons: the reference model's rounding-noise band in bf16 (relative L2 of
-# last-row logits, SPEC §2; tests/test_bench_accuracy.py holds the model to it) and how
+# last-row logits; tests/test_bench_accuracy.py holds the model to it) and how
 # many bands away a result may land before it counts as an error.
 BF16_BAND = 0.02
 BAND_FACTOR = 1.5

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a DeepSeek-V4.1-style model (SPEC §2).
+    """Shape of a DeepSeek-V4.1-style model.
 
     Layer roles follow from ``kv_source_layer_ids``: layers below the first source
     have sliding-window attention only, each source owns a compressor writing the

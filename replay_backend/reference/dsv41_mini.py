@@ -1,4 +1,4 @@
-"""DSv4.1-mini: a small, faithful DeepSeek-V4.1-style "causal encoder-decoder" (SPEC §2).
+"""DSv4.1-mini: a small, faithful DeepSeek-V4.1-style "causal encoder-decoder".
 
 ``forward(input_ids, positions)`` returns the final-normed hidden state of every row;
 ``compute_logits`` runs the head on the rows the caller selects (each request's last
@@ -85,7 +85,7 @@ class Block(nn.Module):
 
 
 class DSv41Mini(nn.Module):
-    """The reference model. State between sublayers is the boundary tuple of SPEC §2:
+    """The reference model. State between sublayers, which also crosses the replay boundary:
     ``hidden`` (last sublayer output), ``residual`` (stream before merging it),
     ``pre`` / ``post`` / ``comb`` (that sublayer's fp32 mixes)."""
 
@@ -114,7 +114,7 @@ class DSv41Mini(nn.Module):
         state = (None, h[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous(), None, None)
         pre = None
         for i, blk in enumerate(self.layers):
-            if i == cfg.cut + 1:  # decoder-replay boundary (SPEC §2)
+            if i == cfg.cut + 1:  # decoder-replay boundary: after the last KV source
                 hidden, residual, post, comb = state
                 hidden, residual, pre, post, comb, positions = replay_begin(
                     hidden, residual, pre, post, comb, positions, window=cfg.window)

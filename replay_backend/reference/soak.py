@@ -4,11 +4,11 @@ Random mixed traffic (decodes, speculative decodes, first prefills, chunks after
 cached context, keep-all prefills, prefills with a later floor) drives a runner as a
 server would: requests arrive, are prefilled in chunks, decode, finish and give their
 cache block back. Every step runs on the compiled runner and on the oracle (the eager
-model, SPEC §3), and every cache slot the step wrote is compared: each layer's SWA KV
-(the replay layers' for kept rows only, SPEC §3), each source's global entries and
-raw halves, and each request's last-row logits. Then the compiled runner's written
-slots take the oracle's values, so every step starts from the same context and a
-mismatch is reported for the step that made it.
+model, replay layers on every row), and every cache slot the step wrote is compared:
+each layer's SWA KV (the replay layers' for kept rows only, the ones a later step
+reads), each source's global entries and raw halves, and each request's last-row
+logits. Then the compiled runner's written slots take the oracle's values, so every
+step starts from the same context and a mismatch is reported for the step that made it.
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ class SoakReport:
 def written_slots(caches, chunks: list[RequestChunk], batch, kept_only: bool = True
                   ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]:
     """Per compared part, (cache tensor, slots, layer) of what the step wrote, by layer.
-    The replay layers' SWA counts kept rows only (SPEC §3) unless ``kept_only`` is false."""
+    The replay layers' SWA counts kept rows only unless ``kept_only`` is false."""
     cfg, window = caches.cfg, batch.window
     slots, kept = [], []
     for i, c in enumerate(chunks):
