@@ -154,7 +154,9 @@ def _rule(c: rules.Call) -> str | None:
         if torch.Tag.pointwise in op_tags(node):
             return rules.aligned(c)
         if not op_name(target).startswith("aten::"):
-            return c.refuse("is not known to be row-local: declare it with replay_backend.declare_row_local")
+            return c.refuse("is not known to be row-local: declare it with replay_backend.declare_row_local if "
+                            "it works on each row alone, or with replay_backend.declare_attention if it reads "
+                            "other rows or the step's metadata (an attention op)")
     elif node.op == "call_function" and not _from_torch(target):
         return c.refuse("is not known to be row-local")
     short = c.name

@@ -90,6 +90,35 @@ def live_across(split: fx.GraphModule, piece: str) -> set[str]:
 
 
 
+def input_sources(split: fx.GraphModule, infos) -> dict[str, tuple[str, ...]]:
+    """Per piece, where each of its inputs comes from, in words, for the error a captured
+    graph raises when an input moved: the usual cause is an eager op (an attention op)
+    that allocated its output instead of writing into the out-argument it was given."""
+    kinds = {p.name: p for p in infos}
+
+    def producer(node):
+        if node.op == "call_function" and node.target is operator.getitem:
+            node = node.args[0]
+        return node
+
+    def describe(a) -> str:
+        if not isinstance(a, fx.Node):
+            return "a constant"
+        p = producer(a)
+        if p.op == "placeholder":
+            return f"the graph input {p.name}"
+        info = kinds.get(p.target) if p.op == "call_module" else None
+        if info is None:
+            return f"{a.name}"
+        if info.kind == "graph":
+            return f"an output of piece {info.name}"
+        return (f"an output of {info.name}, the {info.kind} op {info.op}, which must write into an out-argument "
+                "the piece before it allocated, not return a tensor of its own")
+
+    return {n.target: tuple(describe(a) for a in n.args) for n in split.graph.nodes
+            if n.op == "call_module" and n.target in kinds and kinds[n.target].kind == "graph"}
+
+
 def step_dependent_ops(gm: fx.GraphModule, splitting_ops, step_tags: tuple, exempt: frozenset = frozenset()
                        ) -> list[str]:
     """Ops carrying one of ``step_tags`` (they read per-step state, such as the step's

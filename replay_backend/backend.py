@@ -144,10 +144,12 @@ class ReplayBackend:
             # inference_mode: the static buffers made here are written in place by every
             # later step, whichever of the two that step runs under.
             with torch.no_grad():
-                return self.model.capture(run_step, replay_view_for, metadata)
+                summary = self.model.capture(run_step, replay_view_for, metadata)
         except BaseException:
             life.advance(Phase.WARMING)
             raise
+        life.advance(Phase.CAPTURED)
+        return summary
 
     def _why_no_graphs(self) -> str:
         model = self.model
@@ -173,7 +175,7 @@ class ReplayBackend:
         life = self.lifecycle
         if life.serving:
             return
-        life.expect("start_serving", Phase.WARMING, Phase.CAPTURING_MAIN, Phase.CAPTURING_REPLAY)
+        life.expect("start_serving", Phase.WARMING, Phase.CAPTURING_MAIN, Phase.CAPTURING_REPLAY, Phase.CAPTURED)
         if setup is not None:
             self.use(setup)
         self.model.start_serving()
@@ -306,5 +308,8 @@ def backend_of(compiled) -> ReplayBackend:
     state = compat_dynamo.compile_call_state_of(compiled)
     if state is None:
         raise ValueError("backend_of: no dsv41_replay backend state behind this object: compile a module with "
-                         "torch.compile(model, backend='dsv41_replay') and run one step through it first")
+                         "torch.compile(model, backend='dsv41_replay') and run one step through it first. If it ran "
+                         "a step, Dynamo ran another instance's compiled code for it (instances of one class "
+                         "compiled by name share it): compile each instance with replay_backend.compile(...) or "
+                         "torch.compile(model, backend=ReplayBackend(...))")
     return state

@@ -34,6 +34,10 @@ class ForwardContext:
     # the replay-region runtime the trim op dispatches to.
     plan: Any = None
     replay_runtime: Any = None
+    # True while a compiled model runs this context's step: the boundary markers are the
+    # identity there (the backend runs the region), and point attention at the replay
+    # layers' view only where the model runs uncompiled, in this context too afterwards.
+    compiled_step: bool = False
     # ``prepare_view(view, graph_size)``: the model's host-side planning for a view that
     # attention is about to read (e.g. FlashInfer's ``plan()``), outside any graph. The
     # runner plans the whole batch before the model; :meth:`activate` calls this for the
@@ -102,8 +106,8 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError(
             "no forward context is set: attention ops and the replay markers read the step from it, so run "
-            "the model (and capture()) inside replay_backend.set_forward_context(ForwardContext(batch, kv)); "
-            "the reference StepRunner does this for you")
+            "each step inside replay_backend.set_forward_context(setup.context(batch)) (a StepSetup's, or "
+            "ForwardContext(batch, kv))")
     return _current
 
 

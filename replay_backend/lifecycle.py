@@ -9,6 +9,9 @@ error naming the phase instead of a silently wrong state.
 from __future__ import annotations
 
 import enum
+import logging
+
+log = logging.getLogger("replay_backend")
 
 
 class Phase(enum.Enum):
@@ -17,6 +20,7 @@ class Phase(enum.Enum):
     MEASURING = "measuring"  # the graph memory estimate runs steps without graphs
     CAPTURING_MAIN = "capturing main graphs"  # the region runs without graphs meanwhile
     CAPTURING_REPLAY = "capturing replay graphs"
+    CAPTURED = "captured"  # capture() is done; start_serving() comes next
     SERVING = "serving"  # no new graph and no capture from now on
 
 
@@ -25,8 +29,9 @@ _NEXT = {
     Phase.TRACING: {Phase.WARMING},
     Phase.WARMING: {Phase.WARMING, Phase.MEASURING, Phase.CAPTURING_MAIN, Phase.SERVING},
     Phase.MEASURING: {Phase.WARMING},
-    Phase.CAPTURING_MAIN: {Phase.CAPTURING_REPLAY, Phase.SERVING, Phase.WARMING},
-    Phase.CAPTURING_REPLAY: {Phase.SERVING, Phase.WARMING},
+    Phase.CAPTURING_MAIN: {Phase.CAPTURING_REPLAY, Phase.CAPTURED, Phase.SERVING, Phase.WARMING},
+    Phase.CAPTURING_REPLAY: {Phase.CAPTURED, Phase.SERVING, Phase.WARMING},
+    Phase.CAPTURED: {Phase.SERVING},
     Phase.SERVING: set(),
 }
 # What an out-of-order call should have done first.
@@ -38,6 +43,13 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self.phase = Phase.TRACING
+        self._noted = False
+
+    def phase_note(self, message: str) -> None:
+        """Log ``message`` once: a step ran in a phase that is likely a missed call."""
+        if not self._noted:
+            self._noted = True
+            log.warning("dsv41_replay: %s", message)
 
     def expect(self, what: str, *phases: Phase) -> None:
         """Raise unless the phase is one of ``phases`` (``what`` names the call)."""

@@ -33,12 +33,12 @@ _STEP_TAGS = compat_dynamo.step_dependent_tags()
 
 def _uncompiled_context():
     """The step's forward context where the model runs uncompiled, else None: in a
-    compiled model (its plan set) the backend runs the region and points attention at
-    the replay layers' view itself, and the markers are the identity."""
+    compiled model the backend runs the region and points attention at the replay
+    layers' view itself, and the markers are the identity."""
     if not has_forward_context():
         return None
     ctx = get_forward_context()
-    return ctx if ctx.plan is None else None
+    return None if ctx.compiled_step else ctx
 
 
 def _gathers(ctx) -> bool:

@@ -27,7 +27,7 @@ from .ops import BEGIN, END, TRIM
 from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, find_markers, marked_window
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
-from .passes.split import live_across, split_at_ops, step_dependent_ops
+from .passes.split import input_sources, live_across, split_at_ops, step_dependent_ops
 from .plan import SplitPlan
 from .tracing.generic import admit_every_token_count
 
@@ -96,6 +96,9 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     for info in main_infos:
         if info.in_region:
             split._modules[info.name] = RegionAttention(getattr(split, info.name))
+    for gm, infos in ((split, main_infos), *(((parts.split, parts.infos),) if parts else ())):
+        for name, sources in input_sources(gm, infos).items():
+            gm.get_submodule(name).input_sources = sources
     # Last: compiling the pieces records guards on the token count too.
     admit_every_token_count(traced.fake_mode, traced.token_sizes, cfg.max_num_batched_tokens, res.fallback)
     plan = _split_plan(cfg, region, main_sizes, main_infos, parts, off_reason, splitting)

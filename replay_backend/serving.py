@@ -70,6 +70,10 @@ class StepSetup:
     def context(self, batch: StepBatch, **kw) -> ForwardContext:
         """The forward context of a step of ``batch``, its whole view planned
         (``prepare_view``) before the model reads it; ``kw``: other ForwardContext fields."""
+        missing = self.view_fields.keys() - batch.view.derived.keys()
+        if missing:
+            raise ValueError(f"the batch has no {sorted(missing)} view fields of this StepSetup: build it with the "
+                             "compiled model's build_batch, or pass view_fields=setup.view_fields to build_step_batch")
         if self.prepare_view is not None:
             self.prepare_view(batch.view, None)
         return ForwardContext(batch, self.kv, prepare_view=self.prepare_view, **kw)

@@ -175,3 +175,111 @@ def test_the_step_result_is_public_and_reachable_after_each_step(model):
     assert result == rc.compiled.last_step == be.last_step
     assert (result.kind, result.num_tokens, result.padded_tokens) == (replay_backend.StepKind.PIECEWISE, 1, 1)
     assert result.as_dict()["kind"] == "piecewise" and result.as_dict()["replay_graph"] is True
+
+
+def _served_llama(**options):
+    model = LlamaSWA(window=W).eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options={**OPTIONS, **options})
+    server = LlamaServer(model, compiled)
+    server.serve()
+    return model, server, compiled
+
+
+def test_a_stale_batch_is_refused_by_the_compiled_model_itself():
+    """A batch whose metadata a later build overwrote: any serving loop, not only the
+    reference runner's, gets the error instead of another request's step."""
+    model, server, compiled = _served_llama()
+    first = compiled.build_batch([RequestChunk("a", 3, 3)], [[1, 2, 3]], [0])
+    compiled.build_batch([RequestChunk("b", 3, 3)], [[7, 8, 9]], [1])
+    with pytest.raises(RuntimeError, match="stale StepBatch"), torch.no_grad():
+        with replay_backend.set_forward_context(server.setup.context(first)):
+            compiled(first.input_ids, first.positions)
+
+
+def test_a_context_reused_after_a_compiled_step_still_floors_the_uncompiled_model():
+    """The natural oracle check: the compiled model and the eager one in one context.
+    The compiled step leaves nothing behind that turns the eager model's floor off."""
+    model, server, compiled = _served_llama()
+    step = [RequestChunk("a", 40, 40)]
+    eager = LlamaServer(model)
+    tokens = [eager.tokens(r) for r in step]
+    batch = replay_backend.build_step_batch(step, tokens, [0], eager.layout, W, "cpu")
+    with torch.no_grad():
+        with replay_backend.set_forward_context(eager.setup.context(batch)):
+            (want,) = model(batch.input_ids, batch.positions)
+        ctx = eager.setup.context(batch)
+        with replay_backend.set_forward_context(ctx):
+            compiled(batch.input_ids, batch.positions)
+            (again,) = model(batch.input_ids, batch.positions)
+    assert ctx.result.trimmed
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+def test_a_second_instance_compiled_by_name_is_refused_not_served_the_first_ones_graphs():
+    m1, m2 = LlamaSWA(window=W, seed=1).eval(), LlamaSWA(window=W, seed=2).eval()
+    c1 = torch.compile(m1, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    c2 = torch.compile(m2, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(m1)
+    batch = server.setup.dummy_batch(W)
+    with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+        c1(batch.input_ids, batch.positions)
+        with pytest.raises(RuntimeError, match="traced for another instance of the module"):
+            c2(batch.input_ids, batch.positions)
+
+
+def test_a_batch_without_the_setups_view_fields_is_refused_by_its_context():
+    model = LlamaSWA(window=W).eval()
+    server = LlamaServer(model)
+    fields = {"rows": ViewField(lambda q, s, k, b, w: torch.zeros(1, dtype=torch.int64), max_rows=lambda t, r: 1)}
+    setup = StepSetup(server.layout, W, server.cache, view_fields=fields)
+    batch = replay_backend.build_step_batch([RequestChunk("a", 3, 3)], [[1, 2, 3]], [0], server.layout, W, "cpu")
+    with pytest.raises(ValueError, match=r"the batch has no \['rows'\] view fields of this StepSetup"):
+        setup.context(batch)
+
+
+@torch.library.custom_op("serving_test::allocating_attention", mutates_args=())
+def allocating_attention(q: torch.Tensor) -> torch.Tensor:
+    replay_backend.get_forward_context()
+    return q * 2
+
+
+@allocating_attention.register_fake
+def _(q):
+    return torch.empty_like(q)
+
+
+replay_backend.declare_attention(allocating_attention)
+
+
+class Allocating(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.ops.serving_test.allocating_attention(self.a(x)))
+
+
+def test_an_attention_op_that_allocates_its_output_is_named_by_the_graph_reading_it():
+    model = Allocating().eval()
+    compiled = replay_backend.compile(model, ("x",), options={"compiler": "eager", "cudagraph_capture_sizes": [4]})
+    layout = CacheLayout(64, 2)
+    setup = StepSetup(layout, 4, kv=None)
+    batch = setup.dummy_batch(4)
+    with torch.no_grad(), replay_backend.set_forward_context(setup.context(batch)):
+        compiled(torch.randn(4, 8))  # the trace and the capture of size 4
+        with pytest.raises(RuntimeError, match="an output of submod_1, the attention op "
+                           "serving_test::allocating_attention, which must write into an out-argument"):
+            compiled(torch.randn(4, 8))  # its first replay checks the addresses
+
+
+def test_steps_after_capture_without_start_serving_are_noted_once(caplog):
+    model = LlamaSWA(window=W).eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS)
+    server = LlamaServer(model, compiled)
+    server.warm_up()
+    compiled.capture(server.setup)
+    assert compiled.phase is replay_backend.Phase.CAPTURED
+    server.step([RequestChunk("a", 3, 3)])
+    server.step([RequestChunk("a", 1, 4)])
+    assert caplog.text.count("steps run after capture() without start_serving()") == 1

@@ -137,8 +137,8 @@ class StaticGraph:
     that step takes them (:meth:`take_owned`); ``outputs`` is what replays return."""
 
     def __init__(self, name: str, fn: Callable, args: tuple, res: GraphResources,
-                 keep_outputs: bool = True) -> None:
-        self.name, self.fn, self.res = name, fn, res
+                 keep_outputs: bool = True, sources: tuple[str, ...] = ()) -> None:
+        self.name, self.fn, self.res, self.sources = name, fn, res, sources
         self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         self.replays = 0
         if res.use_cuda:
@@ -171,8 +171,9 @@ class StaticGraph:
         for i, (a, want) in enumerate(zip(args, self.addresses)):
             got = a.data_ptr() if isinstance(a, torch.Tensor) else a
             if got != want:
+                source = f" ({self.sources[i]})" if i < len(self.sources) else ""
                 raise RuntimeError(
-                    f"{self.name}: input {i} changed since capture ({want!r} -> {got!r}); the graph "
+                    f"{self.name}: input {i}{source} changed since capture ({want!r} -> {got!r}); the graph "
                     "would read stale memory. Every eager op between pieces must write into a "
                     "buffer allocated by the preceding piece (see docs/design.md, Graph invariants).")
 
@@ -201,6 +202,7 @@ class PieceRunner(nn.Module):
         self._warm = False
         self.keep_outputs = keep_outputs  # outputs alive across the trim op (passes.split.live_across)
         self.kept_bytes = 0  # their size in the last step run without graphs
+        self.input_sources: tuple[str, ...] = ()  # where each input comes from (passes.split.input_sources)
 
     def forward(self, *args):
         size = self.level.size
@@ -221,7 +223,7 @@ class PieceRunner(nn.Module):
                 self.fn(*args)
                 self._warm = True
             graph = StaticGraph(f"{self.level.name}:{self.name}[{size}]", self.fn, args, self.res,
-                                self.keep_outputs)
+                                self.keep_outputs, self.input_sources)
             self.graphs[size] = graph
             counters.captures[self.level.name] += 1
             # Capturing records work without doing it: run it once for this step. This

@@ -24,6 +24,16 @@ from .trim_op import ReplayRuntime
 
 log = logging.getLogger("replay_backend")
 
+# Dynamo compiles per code object: two instances of one module class compiled by name
+# share the compiled code, so the second's calls reach the first's graphs, whose
+# captured pieces read the first's weights. Its parameters arrive in the graph's
+# arguments, which is how this is caught.
+ANOTHER_INSTANCE = (
+    "dsv41_replay: this compiled model was traced for another instance of the module: Dynamo shares compiled "
+    "code between instances of one class compiled by name, so these steps would run the first instance's "
+    "captured graphs and weights. Compile each instance with replay_backend.compile(...) or "
+    "torch.compile(model, backend=ReplayBackend(...))")
+
 
 class CompiledReplayModel:
     def __init__(self, split_gm: fx.GraphModule, cfg: ReplayConfig, plan, main_level: GraphLevel,
@@ -84,15 +94,30 @@ class CompiledReplayModel:
 
     # ---- one step -------------------------------------------------------------------
     def __call__(self, *args):
-        if self.graph_call is None:
-            self.graph_call = GraphCall.of(self, args)
+        call = self.graph_call
+        if call is None:
+            call = self.graph_call = GraphCall.of(self, args)
             self.scalar_inputs = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
                                        and a.dim() == 0 and not isinstance(a, torch.nn.Parameter))
+        elif call.anchor is not None and args[call.anchor] is not call.template[call.anchor]:
+            raise RuntimeError(ANOTHER_INSTANCE)
         # Attention and the trim op read the step from its context: without one, say so
         # before any piece runs.
         ctx = get_forward_context() if has_forward_context() or self.needs_context else None
-        out, plan = self._step(ctx, args)
+        if ctx is None:
+            out, plan = self._step(ctx, args)
+        else:
+            ctx.batch.check_current()  # a batch whose metadata a later build overwrote
+            ctx.compiled_step = True
+            try:
+                out, plan = self._step(ctx, args)
+            finally:
+                ctx.compiled_step = False
         self.last_plan = plan
+        if self.res.lifecycle.phase is Phase.CAPTURED:
+            self.res.lifecycle.phase_note("steps run after capture() without start_serving(): a recompile is not an "
+                                          "error yet, and a size without a graph is captured in the step; call "
+                                          "start_serving() once warm-up is over")
         if plan is not None:
             self.dispatch["main"][plan.padded_tokens if plan.kind is StepKind.PIECEWISE else "eager"] += 1
             if plan.has_region:

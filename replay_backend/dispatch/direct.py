@@ -76,13 +76,17 @@ class GraphCall:
     template: tuple  # the graph's arguments, None at the token-indexed and size slots
     tokens: tuple[tuple[int, tuple[int, ...], torch.dtype, torch.device], ...]  # slot, trailing shape, dtype, device
     syms: tuple[int, ...]  # slots of the token count
+    # A slot holding one of the model's parameters (None: none), which every later call
+    # must pass as the same object: the same module instance.
+    anchor: int | None = None
 
     @classmethod
     def of(cls, model, args: tuple) -> "GraphCall":
         token, sym = set(model.token_inputs), set(model.sym_inputs)
         template = tuple(None if i in token or i in sym else a for i, a in enumerate(args))
         tokens = tuple((i, tuple(args[i].shape[1:]), args[i].dtype, args[i].device) for i in sorted(token))
-        return cls(model, template, tokens, tuple(sorted(sym)))
+        anchor = next((i for i, a in enumerate(template) if isinstance(a, torch.nn.Parameter)), None)
+        return cls(model, template, tokens, tuple(sorted(sym)), anchor)
 
     def dummy(self, n: int):
         """Run the model on ``n`` rows of zeros (token 0 at position 0 for an id or

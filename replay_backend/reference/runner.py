@@ -239,8 +239,9 @@ class StepRunner:
                         f"request {i} (req_id={r.req_id!r}): its chunk starts at position {r.context_len}, but the "
                         f"cache holds {held} of its positions (a stale batch: the request was freed since it was "
                         "built?): run its earlier chunks first, then build it with this runner's build_batch")
-        batch.check_current()
         fwd = forward if forward is not None else self.forward
+        if fwd is not self.compiled:
+            batch.check_current()  # the compiled model checks it itself
         in_region = fwd is self.compiled and self.backend.replays_in_region
         ctx = self._context(batch, in_region, eager_replay=eager_replay, use_graphs=use_graphs)
         with set_forward_context(ctx):
