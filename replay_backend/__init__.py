@@ -3,8 +3,8 @@ import importlib
 
 from .backend import ReplayBackend, backend_of
 from .lifecycle import Phase
-from .batch import (AttnView, ReplayRows, RequestChunk, StepBatch, ViewField, build_step_batch, dummy_step_batch,
-                    replay_rows_for)
+from .batch import AttnView, StepBatch, ViewField, build_step_batch, dummy_step_batch
+from .requests import ReplayRows, RequestChunk, replay_rows_for
 from .config import ReplayConfig
 # The Counters object (``replay_backend.counters.expect(...)``), not the module.
 from .counters import counters

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..batch import kept_len, replay_floor
+from ..requests import kept_len, replay_floor
 from ..reference.config import ModelConfig
 
 
@@ -102,7 +102,7 @@ def step_flops(cfg: ModelConfig, requests, trimmed: bool = True) -> StepFlops:
 def point_flops(cfg: ModelConfig, isl: int, conc: int, max_num_batched_tokens: int) -> float:
     """The FLOPs of a bench point: ``conc`` prompts of ``isl`` tokens prefilled in chunked
     steps of at most ``max_num_batched_tokens`` tokens, as the bench runs them."""
-    from ..batch import RequestChunk
+    from ..requests import RequestChunk
     from ..reference.runner import schedule_prefill
 
     total = 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from ..batch import RequestChunk
+from ..requests import RequestChunk
 
 # The grammar as ``--batch --help`` prints it.
 GRAMMAR = """\

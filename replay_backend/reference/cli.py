@@ -4,10 +4,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -15,6 +13,7 @@ import torch
 from ..compat import dynamo as compat_dynamo
 from ..bench import run as bench
 from ..backend import ReplayBackend
+from . import cli_args
 from .batch_spec import GRAMMAR, parse_batch_spec
 from .cli_options import backend_options, model_config
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
@@ -158,37 +157,11 @@ def cmd_verify(args) -> int:
     return 0 if res.ok else 1
 
 
-def _check_dir(path: str, flag: str) -> None:
-    """``path`` is (made) a directory this process can write a file in."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-
-
-def _check_file(path: str, flag: str) -> None:
-    """A file can be written at ``path`` (its directory exists and takes files)."""
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a directory, not a file")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ValueError(f"{flag} {path}: cannot write there (permission denied)")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: its directory {folder} does not exist")
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-
-
 def cmd_inspect(args) -> int:
     opts = backend_options(args.option)
     opts.setdefault("compiler", "eager")  # the split plan does not depend on the piece compiler
     if args.dump:
-        _check_dir(args.dump, "--dump")  # before the compile, whose dump failure is only logged
+        cli_args.check_dir(args.dump, "--dump")  # before the compile, whose dump failure is only logged
         # Dump while compiling: the graph before the split only exists then.
         opts["debug_dump_path"] = args.dump
     cfg = ReplayConfig.from_options(opts)
@@ -207,113 +180,16 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """Every usage error as one line on stderr, exit status 2: the same form as the
-    errors ``main`` reports from its own checks."""
-
-    def error(self, message: str):
-        self.exit(2, f"replay-backend: error: {message} (see '{self.prog} --help')\n")
-
-
-def _int_arg(lo: int, hi: int | None = None, even: bool = False, why: str = ""):
-    """An argparse type: an integer in ``[lo, hi]`` (even, if asked)."""
-    def integer(text: str) -> int:
-        try:
-            val = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if val < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {val}")
-        if hi is not None and val > hi:
-            raise argparse.ArgumentTypeError(f"{val} is above the limit of {hi}" + (f" ({why})" if why else ""))
-        if even and val % 2:
-            raise argparse.ArgumentTypeError(f"must be even (a cache block holds pairs of positions), got {val}")
-        return val
-    return integer
-
-
-def _number(lo: float = 0.0, above: bool = False):
-    """An argparse type: a finite number >= ``lo`` (> ``lo`` when ``above``)."""
-    def number(text: str) -> float:
-        try:
-            val = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(val) or val < lo or (above and val == lo):
-            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if above else '>='} {lo:g}, got {text!r}")
-        return val
-    return number
-
-
-def _int_list(lo: int = 1, hi: int | None = None, why: str = ""):
-    """An argparse type: comma-separated integers, each in ``[lo, hi]``."""
-    one = _int_arg(lo, hi, why=why)
-
-    def integers(text: str) -> list[int]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-        return [one(t) for t in items]
-    return integers
-
-
-def _names(choices=None):
-    """An argparse type: comma-separated names, each one of ``choices`` when given."""
-    def names(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
-        bad = [t for t in items if choices is not None and t not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
-        return items
-    return names
-
-
-def _profile_points(text: str) -> list[str]:
-    """An argparse type: comma-separated ``ISL/CONC`` points."""
-    points = [t.strip() for t in text.split(",") if t.strip()]
-    for p in points:
-        isl, _, conc = p.partition("/")
-        if not (isl.isdigit() and conc.isdigit() and int(isl) >= 1 and int(conc) >= 1):
-            raise argparse.ArgumentTypeError(f"{p!r}: expected ISL/CONC, e.g. 1024/1")
-    if not points:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ISL/CONC points, got {text!r}")
-    return [f"{int(p.split('/')[0])}/{int(p.split('/')[1])}" for p in points]
-
-
-def _device(text: str) -> str:
-    """An argparse type: cpu, or a CUDA device this machine has."""
-    try:
-        dev = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from None
-    if dev.type == "cpu":
-        return "cpu"
-    if dev.type != "cuda":
-        raise argparse.ArgumentTypeError(f"{text!r}: the reference model runs on cpu or cuda")
-    if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here (torch {torch.__version__}); "
-                                         "use --device cpu")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA "
-                                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return str(dev)
-
-
-_LEN_WHY = "MAX_MODEL_LEN: positions must stay exact as float32"
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="replay-backend", description=__doc__)
+    p = cli_args.Parser(prog="replay-backend", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     grammar = dict(epilog=GRAMMAR, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = sub.add_parser("demo", help="run the main job on the embedded default model", **grammar)
     d.add_argument("--preset", choices=sorted(PRESETS))
-    d.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda where available)")
+    d.add_argument("--device", type=cli_args.device, help="cpu, cuda or cuda:N (default: cuda where available)")
     d.add_argument("--batch", default=DEFAULT_BATCH,
                    help=f"the step's requests (grammar below; default {DEFAULT_BATCH!r})")
-    d.add_argument("--max-model-len", type=_int_arg(2, MAX_MODEL_LEN, even=True, why=_LEN_WHY), default=1024,
+    d.add_argument("--max-model-len", type=cli_args.int_arg(2, MAX_MODEL_LEN, even=True, why=cli_args.LEN_WHY), default=1024,
                    help="the cache length of each request (even; its caches are allocated)")
     d.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option (docs/configuration.md)")
     d.set_defaults(fn=cmd_demo)
@@ -321,12 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="one step through the backend vs the eager oracle", **grammar)
     v.add_argument("--batch", required=True, help="the step's requests (grammar below), e.g. 'd:1/700,p:250,k:140'")
     v.add_argument("--preset", choices=sorted(PRESETS))
-    v.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda where available)")
+    v.add_argument("--device", type=cli_args.device, help="cpu, cuda or cuda:N (default: cuda where available)")
     v.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option (docs/configuration.md)")
     v.add_argument("--json", action="store_true")
-    v.add_argument("--tolerance", type=_number(0.0),
+    v.add_argument("--tolerance", type=cli_args.number(0.0),
                    help="the largest max |d| that agrees, a finite number >= 0 (default: by dtype)")
-    v.add_argument("--max-model-len", type=_int_arg(1, MAX_MODEL_LEN, why=_LEN_WHY), default=131072,
+    v.add_argument("--max-model-len", type=cli_args.int_arg(1, MAX_MODEL_LEN, why=cli_args.LEN_WHY), default=131072,
                    help="the longest sequence a --batch request may reach (its caches are allocated)")
     v.add_argument("--capture-all", action="store_true",
                    help="capture every graph size first (default: capture the sizes used, on first use)")
@@ -334,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="the split plan")
     i.add_argument("--preset", choices=sorted(PRESETS))
-    i.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda where available)")
+    i.add_argument("--device", type=cli_args.device, help="cpu, cuda or cuda:N (default: cuda where available)")
     i.add_argument("--option", action="append", metavar="KEY=VALUE", help="a backend option (docs/configuration.md)")
     i.add_argument("--json", action="store_true")
     i.add_argument("--dump", metavar="DIR", help="write a navigable dump under DIR (index.md, the graph "
@@ -343,24 +219,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="prefill-only TTFT of every mode (GPU)")
     b.add_argument("--preset", help="default: mini-2k on CUDA, tiny on CPU")
-    b.add_argument("--isl", type=_int_list(1, MAX_MODEL_LEN - 2, why=_LEN_WHY), default=[1024, 4096, 8192, 32768])
-    b.add_argument("--conc", type=_int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8])
-    b.add_argument("--modes", type=_names(list(bench.MODES)), default=list(bench.MODES))
-    b.add_argument("--settings", type=_names(["default", "wide"]), default=["default", "wide"],
+    b.add_argument("--isl", type=cli_args.int_list(1, MAX_MODEL_LEN - 2, why=cli_args.LEN_WHY), default=[1024, 4096, 8192, 32768])
+    b.add_argument("--conc", type=cli_args.int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8])
+    b.add_argument("--modes", type=cli_args.names(list(bench.MODES)), default=list(bench.MODES))
+    b.add_argument("--settings", type=cli_args.names(["default", "wide"]), default=["default", "wide"],
                    help="capture settings of the graphed modes (default, wide); modes without "
                         "this backend's graphs run once, at the default setting")
-    b.add_argument("--runs", type=_int_arg(1), default=10)
-    b.add_argument("--warmup", type=_int_arg(0), default=2)
-    b.add_argument("--max-num-batched-tokens", type=_int_arg(1, MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS"),
+    b.add_argument("--runs", type=cli_args.int_arg(1), default=10)
+    b.add_argument("--warmup", type=cli_args.int_arg(0), default=2)
+    b.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1, MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS"),
                    default=16384)
-    b.add_argument("--max-tokens-per-point", type=_int_arg(1), default=65536,
+    b.add_argument("--max-tokens-per-point", type=cli_args.int_arg(1), default=65536,
                    help="skip ISL x concurrency points above this many prompt tokens")
-    b.add_argument("--max-seconds", type=_number(0.0, above=True), default=1e9,
+    b.add_argument("--max-seconds", type=cli_args.number(0.0, above=True), default=1e9,
                    help="from the bench's start: no new point, nor the stock peer's compile, after this")
     b.add_argument("--json", metavar="PATH", help="write the raw report here")
     b.add_argument("--out", metavar="PATH", help="write the markdown table here")
     b.add_argument("--profile-out", metavar="FILE", help="append a profiler summary per mode and profiled point")
-    b.add_argument("--profile-points", type=_profile_points, default=["1024/1", "8192/1"],
+    b.add_argument("--profile-points", type=cli_args.profile_points, default=["1024/1", "8192/1"],
                    metavar="ISL/CONC,...")
     b.add_argument("--trace-dir", metavar="DIR", help="keep each profiled point's Chrome trace here (gzipped)")
     b.add_argument("--model-option", action="append", metavar="KEY=VALUE", default=[],
@@ -368,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--option", action="append", metavar="KEY=VALUE", default=[],
                    help="a backend option for every mode of this backend, e.g. compiler=eager "
                         "(not the keys the modes and capture settings decide)")
-    b.add_argument("--attention", type=_names(), metavar="IMPL,...",
+    b.add_argument("--attention", type=cli_args.names(), metavar="IMPL,...",
                    help="run the whole bench once per attention implementation (e.g. triton,flashinfer), "
                         "in this process, one after the other (a later pass can read slower on the same "
                         "host: docs/benchmarks.md); default: the model's own")
@@ -409,9 +285,9 @@ def _check_bench(args) -> None:
                   f"max(ISL, W) + 2 = {longest} positions per sequence)")
     for flag, path in (("--json", args.json), ("--out", args.out), ("--profile-out", args.profile_out)):
         if path:
-            _check_file(path, flag)
+            cli_args.check_file(path, flag)
     if args.trace_dir:
-        _check_dir(args.trace_dir, "--trace-dir")
+        cli_args.check_dir(args.trace_dir, "--trace-dir")
 
 
 def cmd_bench(args) -> int:

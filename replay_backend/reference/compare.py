@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import StepBatch, kept_len
+from ..batch import StepBatch
+from ..requests import kept_len
 from .kv_caches import KVCaches
 
 

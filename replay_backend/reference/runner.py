@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..batch import RequestChunk, StepBatch, build_step_batch, validate_requests
+from ..batch import StepBatch, build_step_batch
+from ..requests import RequestChunk, validate_requests
 from ..dispatch.decide import StepInfo, StepResult, TrimRecord
 from ..forward_context import ForwardContext, set_forward_context
 from ..kv_cache import CacheLayout

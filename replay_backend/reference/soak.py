@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..batch import RequestChunk, kept_len
+from ..requests import RequestChunk, kept_len
 from .accuracy import noise_limit, nudged_copy
 from .config import IMPLEMENTATION_FIELDS
 from .compare import default_tolerance, max_abs_err, worst_row_rel_l2

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..backend import ReplayBackend
-from ..batch import RequestChunk
+from ..requests import RequestChunk
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
 from ..config import ReplayConfig
 from ..kv_cache import CacheLayout
