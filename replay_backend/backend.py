@@ -28,6 +28,7 @@ from .batch import build_step_batch
 from .dispatch.direct import CallLog
 from .forward_context import has_forward_context, set_forward_context
 from .lifecycle import Lifecycle, Phase
+from .parallel import check_same_schedule
 from .pipeline import build
 from .step_metadata import MetadataBuffer, metadata_capacity
 
@@ -49,7 +50,11 @@ class ReplayBackend:
     which :func:`backend_of` finds from the compiled model."""
 
     def __init__(self, config: ReplayConfig | None = None, piece_cache: PieceCache | None = None,
-                 dp_group=None, **options: Any) -> None:
+                 dp_group=None, tp_group=None, **options: Any) -> None:
+        """``dp_group``: the data-parallel ranks (a CPU group: they agree on every step in
+        one host collective, dispatch/agree.py); ``tp_group``: the tensor-parallel ranks
+        that share this rank's batch. Every rank of either captures the same graphs, in
+        the same order, checked at capture."""
         if config is not None and options:
             raise ValueError("pass either a ReplayConfig or options, not both")
         if config is not None and not isinstance(config, ReplayConfig):
@@ -58,8 +63,7 @@ class ReplayBackend:
         self.config = config if config is not None else ReplayConfig.from_options(options)
         # Identical pieces compile once; pass one cache to several backends to share.
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache()
-        # A torch.distributed group of data-parallel ranks: they agree on replaying.
-        self.dp_group = dp_group
+        self.dp_group, self.tp_group = dp_group, tp_group
         self.compiled: list[CompiledReplayModel] = []
         self.lifecycle = Lifecycle()  # shared by every graph compiled for this state
         # Calls of the compiled model through Dynamo while watched: the model's front
@@ -111,6 +115,9 @@ class ReplayBackend:
         :meth:`start_serving` comes next."""
         life = self.lifecycle
         life.expect("capture", Phase.WARMING)
+        for group in (self.dp_group, self.tp_group):
+            if group is not None:
+                check_same_schedule(self.model, group)
         if not callable(setup):
             if replay_view_for is not None or metadata is not None:
                 raise TypeError("capture(setup) takes the StepSetup alone")
@@ -203,6 +210,16 @@ class ReplayBackend:
                                 inputs_in_metadata=inputs_in_metadata,
                                 metadata=self.metadata if self.lifecycle.serving else None, view_fields=s.view_fields,
                                 owner=owner)
+
+    def idle_step(self) -> None:
+        """A step for a data-parallel rank with no requests: a dummy step of one token
+        (its KV writes to the pad slot), padded to the size the ranks agree on, so that
+        the collectives inside the other ranks' steps meet this rank's."""
+        if self.setup is None:
+            raise RuntimeError("dsv41_replay: idle_step() needs the model's StepSetup: pass it to capture() or "
+                               "start_serving()")
+        with torch.no_grad():
+            run_dummy(self._learned_model("idle_step"), self.setup, 1)
 
     @property
     def last_step(self):

@@ -95,3 +95,18 @@ def _trim_and_redispatch(rows: list[torch.Tensor], consts: list[torch.Tensor], o
 
 trim_and_redispatch = define_op(TRIM, "(Tensor[] rows, Tensor[] consts, Tensor(a!)[] outs) -> ()",
                                 _trim_and_redispatch, no_output, _STEP_TAGS)
+
+
+def _declare_collectives() -> None:
+    """Torch's functional all-reduce (and its wait) are row-local for the ranks of a
+    tensor-parallel group: every rank holds the same rows, trims and pads them alike,
+    and row i of the result sums row i of each rank's partial result. A collective
+    across ranks that hold different rows (data parallelism) mixes requests and is a
+    model's own op, declared by the model."""
+    ns = getattr(torch.ops, "_c10d_functional", None)
+    names = [f"_c10d_functional::{op}" for op in ("all_reduce", "wait_tensor") if ns is not None and hasattr(ns, op)]
+    if names:
+        declare_row_local(*names)
+
+
+_declare_collectives()

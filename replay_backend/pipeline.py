@@ -91,7 +91,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     main_level = GraphLevel("main", main_sizes)
     split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None,
                                      _left_in_main(gm) if region is None else frozenset())
-    parts = _region_parts(region, cfg, splitting, main_sizes, graphs, res, dp_group) if region is not None else None
+    parts = _region_parts(region, cfg, splitting, main_sizes, graphs, res) if region is not None else None
     _compile(split, main_infos, main_level, parts, cfg, res, cache, traced)
     for info in main_infos:
         if info.in_region:
@@ -105,7 +105,8 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
     dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
     return CompiledReplayModel(split, cfg, plan, main_level, parts.runtime if parts else None, traced.token_inputs,
-                               traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir)
+                               traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir,
+                               dp_group=dp_group)
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:
@@ -168,7 +169,7 @@ def _main_sizes(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphReso
 
 
 def _region_parts(region: ExtractedRegion, cfg: ReplayConfig, splitting, main_sizes: list[int], graphs: bool,
-                  res: GraphResources, dp_group) -> RegionParts:
+                  res: GraphResources) -> RegionParts:
     sizes = cfg.replay_capture_sizes(region.window) if graphs else []
     if main_sizes and cfg.cudagraph_decoder_replay and cfg.decoder_replay_trim_threshold > max(main_sizes):
         log.warning("dsv41_replay: decoder_replay_trim_threshold=%d exceeds the largest main capture "
@@ -181,7 +182,7 @@ def _region_parts(region: ExtractedRegion, cfg: ReplayConfig, splitting, main_si
     below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
         if cfg.cudagraph_decoder_replay else main_sizes
     level = GraphLevel("replay", [*sizes, *below])  # sorted and deduplicated there
-    runtime = ReplayRuntime(split, cfg, region.window, level, sizes, res, dp_group, main_sizes)
+    runtime = ReplayRuntime(split, cfg, region.window, level, sizes, res, main_sizes)
     return RegionParts(split, infos, level, runtime, sizes)
 
 

@@ -203,6 +203,10 @@ class ReplayCompiled(nn.Module):
         return self.backend.build_batch(requests, token_ids, blocks, max_num_batched_tokens,
                                         inputs_in_metadata=self.direct, owner=owner)
 
+    def idle_step(self) -> None:
+        """A data-parallel rank with no requests takes part in the step (:meth:`ReplayBackend.idle_step`)."""
+        self.backend.idle_step()
+
     @property
     def last_step(self):
         """What the last step did (a ``StepResult``), or None before any step."""

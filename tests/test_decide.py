@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from replay_backend.dispatch.agree import Agreement
 from replay_backend.dispatch.decide import Sizes, StepKind, TrimRecord, plan_step
 
 MAIN = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
@@ -57,13 +58,26 @@ def test_steps_without_graphs_and_during_main_capture_run_the_region_directly():
                                                                                False)
 
 
-def test_data_parallel_ranks_replay_together_at_the_largest_ranks_size():
-    # this rank has nothing to trim (20 tokens pad to 24, below the threshold); another
-    # rank trims 40 rows: every rank replays, at the size that fits 40 rows
-    p = plan_step(SIZES, 20, 20, False, agreed=(True, 40))
-    assert (p.trim, p.region_rows, p.replay_padded) == (True, 20, 48)
-    p = plan_step(SIZES, 100, 30, True, agreed=(True, 70))  # above every replay size: eager region
-    assert (p.trim, p.replay_padded) == (True, None)
+@pytest.mark.parametrize("t, rows, trimmable", [(20, 20, False), (50, 16, True), (3, 3, False), (1, 1, False)])
+def test_data_parallel_ranks_take_the_largest_ranks_sizes(t, rows, trimmable):
+    """Whatever this rank holds, the agreed step is the largest rank's: its main size,
+    whether it trims, its replay size; this rank's own rows are its own."""
+    for other_tokens, other_rows, other_trimmable in [(50, 40, True), (100, 30, True), (2, 2, False)]:
+        agreement = Agreement(True, max(t, other_tokens), trimmable or other_trimmable, max(rows, other_rows))
+        p = plan_step(SIZES, t, rows, trimmable, agreement=agreement)
+        want = plan_step(SIZES, max(t, other_tokens), max(rows, other_rows), trimmable or other_trimmable)
+        assert (p.kind, p.padded_tokens, p.trim, p.replay_padded, p.io_graphs) == \
+               (want.kind, want.padded_tokens, want.trim, want.replay_padded, want.io_graphs)
+        assert p.num_tokens == t and p.region_rows == (rows if p.trim else p.padded_tokens)
+        assert p.region_padded >= p.region_rows  # the region pads to the largest rank's rows too
+
+
+def test_one_rank_without_graphs_makes_every_rank_run_without():
+    p = plan_step(SIZES, 20, 20, False, agreement=Agreement(False, 20, False, 20))
+    assert (p.kind, p.padded_tokens, p.replay_padded) == (StepKind.EAGER, 20, None)
+    p = plan_step(SIZES, 100, 30, True, agreement=Agreement(True, 130, True, 70))  # eager region, padded
+    assert (p.kind, p.padded_tokens, p.trim, p.replay_padded, p.region_padded) == (StepKind.EAGER, 130, True,
+                                                                                   None, 70)
 
 
 def test_without_replay_graphs_or_a_region_graphed_steps_never_trim():

@@ -19,6 +19,7 @@ from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
+from .agree import agree
 from .direct import GraphCall
 from .trim_op import ReplayRuntime
 
@@ -38,8 +39,10 @@ ANOTHER_INSTANCE = (
 class CompiledReplayModel:
     def __init__(self, split_gm: fx.GraphModule, cfg: ReplayConfig, plan, main_level: GraphLevel,
                  replay: ReplayRuntime | None, token_inputs: list[int], sym_inputs: list[int],
-                 res: GraphResources, calls=None, sources=None, dump_dir: str | None = None) -> None:
+                 res: GraphResources, calls=None, sources=None, dump_dir: str | None = None,
+                 dp_group=None) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
+        self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
         self.main_level, self.replay, self.res = main_level, replay, res
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
         # What a model without a replay region decides steps by (with one, the region's
@@ -127,11 +130,18 @@ class CompiledReplayModel:
         return out
 
     def decide(self, ctx, num_tokens: int) -> StepPlan:
-        """The step's one decision (dispatch/decide.py), made before it runs."""
+        """The step's one decision (dispatch/decide.py), made before it runs, agreed with
+        the data-parallel ranks (agree.py); while the main graphs are captured every rank
+        captures the same size, and nothing needs agreeing."""
         use_graphs = ctx is None or ctx.use_graphs
+        agreement = None
+        if self.dp_group is not None and not self.res.lifecycle.capturing_main:
+            batch = ctx.batch if ctx is not None else None
+            agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
+                              batch.replay.num_rows if batch is not None else num_tokens)
         if self.replay is not None and ctx is not None:
-            return self.replay.plan(ctx.batch, num_tokens, use_graphs)
-        return plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs)
+            return self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement)
+        return plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs, agreement=agreement)
 
     def _step(self, ctx, args) -> tuple:
         """Run one step; returns (outputs, its plan, or None for a graph without tokens)."""
@@ -141,8 +151,10 @@ class CompiledReplayModel:
         plan = self.decide(ctx, t)
         if ctx is not None:
             ctx.plan, ctx.replay_runtime = plan, self.replay
-        if plan.kind is StepKind.EAGER:
+        if plan.kind is StepKind.EAGER and plan.padded_tokens == t:
             return self.split_gm(*args), plan
+        if plan.kind is StepKind.EAGER:  # padded to the largest data-parallel rank's tokens
+            return self._eager_padded(args, t, plan.padded_tokens), plan
         tp = plan.padded_tokens
         new = list(args)
         for i in self.token_inputs:
@@ -176,6 +188,18 @@ class CompiledReplayModel:
             out = self.split_gm(*new)
         # The outputs live in graph memory that the next step overwrites.
         return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), plan
+
+    def _eager_padded(self, args, t: int, tp: int) -> tuple:
+        """A step without graphs on ``tp`` rows, ``t`` of them real: zero rows appended (token
+        0 at position 0, whose writes go to the pad slot, as graphs pad)."""
+        new = list(args)
+        for i in self.token_inputs:
+            x = args[i]
+            new[i] = torch.cat([x, x.new_zeros((tp - t, *x.shape[1:]))])
+        for i in self.sym_inputs:
+            new[i] = tp
+        out = self.split_gm(*new)
+        return tuple(o[:t] if isinstance(o, torch.Tensor) else o for o in out)
 
     # ---- capture --------------------------------------------------------------------
     def estimate_graph_memory(self, run_step_without_graphs, replay_view_for):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..config import padded_size
+from .agree import Agreement
 
 
 class StepKind(str, enum.Enum):
@@ -93,6 +94,9 @@ class StepPlan:
     replay_padded: int | None  # the region's graph size; None: it runs without graphs
     io_graphs: bool  # the trim op's gathers and scatter replay as graphs
     has_region: bool
+    # Rows the region runs on, padding included: its graph size, or without a graph the
+    # data-parallel ranks' largest replay rows (this rank's own rows where none agreed).
+    region_padded: int = 0
 
     @property
     def result(self) -> StepResult:
@@ -129,26 +133,29 @@ def wants_trim(sizes: Sizes, padded: int | None, trimmable: bool) -> bool:
 
 
 def plan_step(sizes: Sizes, num_tokens: int, replay_rows: int, trimmable: bool, *, use_graphs: bool = True,
-              region_graphs: bool = True, agreed: tuple[bool, int] | None = None) -> StepPlan:
+              region_graphs: bool = True, agreement: Agreement | None = None) -> StepPlan:
     """How a step of ``num_tokens`` with ``replay_rows`` replay rows runs.
 
     ``use_graphs`` false: no graph at all (warm-up and memory probes). ``region_graphs``
     false: the region runs without graphs (while the main graphs are captured).
-    ``agreed``: (trim, most replay rows of any rank) after data-parallel ranks agreed
-    (every rank replays if any does, all at the size of the largest)."""
-    padded = main_size(sizes, num_tokens, use_graphs)
+    ``agreement``: what the data-parallel ranks agreed (agree.py): every rank pads to
+    the largest rank's tokens and replay rows, and trims where the agreed step trims."""
+    rows_max = replay_rows
+    if agreement is not None:
+        use_graphs, trimmable = use_graphs and agreement.graphs, agreement.trimmable
+        rows_max = max(replay_rows, agreement.replay_rows)
+    tokens = num_tokens if agreement is None else max(num_tokens, agreement.tokens)
+    padded = main_size(sizes, tokens, use_graphs)
     trim = wants_trim(sizes, padded, trimmable) if sizes.has_region else False
-    rows_max = replay_rows if trim else 0
-    if agreed is not None:
-        trim, rows_max = agreed
     kind = StepKind.PIECEWISE if padded is not None else StepKind.EAGER
-    padded = padded if padded is not None else num_tokens
+    padded = padded if padded is not None else tokens  # eager: the largest rank's count
     rows = replay_rows if trim else padded
     replay = None
     if sizes.has_region and use_graphs and region_graphs and sizes.region:
         if trim:
-            replay = padded_size(sizes.replay, max(rows, rows_max))
+            replay = padded_size(sizes.replay, rows_max)
         elif kind is StepKind.PIECEWISE and padded in sizes.region:
             replay = padded
     io = kind is StepKind.PIECEWISE and trim and replay is not None and (padded, replay) in sizes.io_pairs
-    return StepPlan(kind, num_tokens, padded, trim, rows, replay, io, sizes.has_region)
+    region_padded = replay if replay is not None else (rows_max if trim else padded)
+    return StepPlan(kind, num_tokens, padded, trim, rows, replay, io, sizes.has_region, region_padded)

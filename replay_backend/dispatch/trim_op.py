@@ -19,28 +19,22 @@ from ..config import ReplayConfig
 from ..counters import counters
 from ..forward_context import get_forward_context
 from ..capture.graphs import GraphLevel, GraphResources
-from .decide import Sizes, StepKind, StepPlan, main_size, plan_step, wants_trim
+from .decide import Sizes, StepKind, StepPlan, plan_step
 from .row_moves import RowMoves
 from .trim_io import TrimIO
 
 
-def dp_agree(needs: bool, rows: int, group) -> tuple[bool, int]:
-    """All-reduce (max) of ``[needs, rows]`` over the data-parallel group."""
-    import torch.distributed as dist
-
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([int(needs), rows], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    needs_any, rows_max = t.tolist()
-    return bool(needs_any), int(rows_max)
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` (token 0 at position 0, as graphs pad)."""
+    out = x.new_zeros((rows, *x.shape[1:]))
+    out[:x.shape[0]] = x
+    return out
 
 
 class ReplayRuntime:
     def __init__(self, region: nn.Module, cfg: ReplayConfig, window: int, level: GraphLevel,
-                 replay_sizes: list[int], res: GraphResources, dp_group=None,
-                 main_sizes: list[int] | None = None) -> None:
+                 replay_sizes: list[int], res: GraphResources, main_sizes: list[int] | None = None) -> None:
         self.region, self.cfg, self.window = region, cfg, window
-        self.dp_group = dp_group  # data-parallel ranks that must replay together
         self.level, self.res = level, res
         self.replay_sizes = sorted(replay_sizes)  # sizes a trimmed step pads to (ascending)
         # Main sizes whose steps trim (PIECEWISE, at or above the threshold): their gathers
@@ -95,19 +89,11 @@ class ReplayRuntime:
         finally:
             self._region_s += time.perf_counter() - t0
 
-    def plan(self, batch, num_tokens: int, use_graphs: bool = True) -> StepPlan:
-        """The step's one decision (decide.py), agreed with the data-parallel ranks."""
-        rep = batch.replay
-        trimmable = batch.has_trimmable_rows
-        agreed = None
+    def plan(self, batch, num_tokens: int, use_graphs: bool = True, agreement=None) -> StepPlan:
+        """The step's one decision (decide.py), with what the data-parallel ranks agreed."""
         capturing_main = self.res.lifecycle.capturing_main  # the region runs without graphs meanwhile
-        if self.dp_group is not None and not capturing_main:
-            # Every rank replays if any does (a rank with nothing to trim runs all its rows
-            # as replay rows), and all pad to the size that fits the largest rank.
-            trim = wants_trim(self.sizes, main_size(self.sizes, num_tokens, use_graphs), trimmable)
-            agreed = dp_agree(trim, rep.num_rows if trim else 0, self.dp_group)
-        return plan_step(self.sizes, num_tokens, rep.num_rows, trimmable, use_graphs=use_graphs,
-                         region_graphs=not capturing_main, agreed=agreed)
+        return plan_step(self.sizes, num_tokens, batch.replay.num_rows, batch.has_trimmable_rows,
+                         use_graphs=use_graphs, region_graphs=not capturing_main, agreement=agreement)
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Execute the step's plan: gather, run the region, scatter."""
@@ -132,6 +118,8 @@ class ReplayRuntime:
                 res = None
             elif bufs is None:
                 inputs = [x.index_select(0, rep.rows_t) for x in rows] if plan.trim else rows
+                if plan.trim and plan.region_padded > rep.num_rows:  # to the largest rank's rows
+                    inputs = [_padded(x, plan.region_padded) for x in inputs]
                 res = self.run_region(inputs, consts, None)
             else:
                 if plan.trim:

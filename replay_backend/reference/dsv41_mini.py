@@ -13,6 +13,7 @@ from torch import nn
 from ..tracing.boundary import replay_begin, replay_end
 from . import attention_ops  # noqa: F401  (registers the dsv41:: ops)
 from .config import ModelConfig
+from .parallel import tp_all_reduce
 from .layers import (MoE, HyperConnection, RMSNorm, _param, apply_rope, branch_std, hc_collapse, hc_merge,
                      rope_angles)
 
@@ -31,6 +32,8 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(hd, cfg.rms_eps)
         self.sink = _param(gen, nh, std=1.0)
         per_group = nh // cfg.o_groups * hd
+        self.heads, self.groups = nh, cfg.o_groups  # this rank's (parallel.py)
+        self.parallel = None
         self.wo_a = _param(gen, cfg.o_groups, per_group, cfg.o_lora_rank, std=per_group ** -0.5)
         self.wo_b = _param(gen, h, cfg.o_groups * cfg.o_lora_rank,
                            std=branch_std(cfg.num_layers) * (cfg.o_groups * cfg.o_lora_rank) ** -0.5)
@@ -40,10 +43,23 @@ class Attention(nn.Module):
             self.wc_gate = _param(gen, hd, h, std=h ** -0.5) if self.ratio == 2 else None
             self.comp_norm = RMSNorm(hd, cfg.rms_eps)
 
+    def shard(self, p) -> None:
+        """Keep this rank's heads and their output groups (parallel.py)."""
+        self.parallel = p
+        if p.tp_size == 1:
+            return
+        hd, r = self.cfg.head_dim, p.tp_rank
+        self.heads, self.groups = self.heads // p.tp_size, self.groups // p.tp_size
+        h, g, rank = self.heads, self.groups, self.wo_a.shape[2]
+        self.wq_b = nn.Parameter(self.wq_b[r * h * hd:(r + 1) * h * hd].clone())
+        self.sink = nn.Parameter(self.sink[r * h:(r + 1) * h].clone())
+        self.wo_a = nn.Parameter(self.wo_a[r * g:(r + 1) * g].clone())
+        self.wo_b = nn.Parameter(self.wo_b[:, r * g * rank:(r + 1) * g * rank].clone())
+
     def forward(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, cfg = u.shape[0], self.cfg
         x = self.norm(u)
-        q = (self.q_norm(x @ self.wq_a.t()) @ self.wq_b.t()).view(t, cfg.num_heads, cfg.head_dim)
+        q = (self.q_norm(x @ self.wq_a.t()) @ self.wq_b.t()).view(t, self.heads, cfg.head_dim)
         kv = self.kv_norm(x @ self.wkv.t())
         q, kv = apply_rope(q, cos, sin), apply_rope(kv, cos, sin)
         out = torch.empty_like(q)  # allocated here so the next graph piece reads a stable address
@@ -55,10 +71,11 @@ class Attention(nn.Module):
             torch.ops.dsv41.global_attention(q, kv, self.sink, out, self.layer)
         else:
             torch.ops.dsv41.swa_attention(q, kv, self.sink, out, self.layer)
-        o = apply_rope(out, cos, sin, inverse=True).view(t, cfg.o_groups, -1)
+        o = apply_rope(out, cos, sin, inverse=True).view(t, self.groups, -1)
         # Grouped low-rank projection as one batched matmul over groups.
         o = torch.bmm(o.transpose(0, 1), self.wo_a).transpose(0, 1).reshape(t, -1)
-        return o @ self.wo_b.t()
+        o = o @ self.wo_b.t()
+        return tp_all_reduce(o, self.parallel)  # row-parallel: the sum over the TP ranks
 
 
 class FFN(nn.Module):

@@ -9,6 +9,7 @@ from ..passes.roles import declare_row_local
 from . import moe_triton
 from . import sinkhorn_triton
 from .attention_ops import rms_norm
+from .parallel import dep_moe, tp_all_reduce
 
 
 def _param(gen: torch.Generator, *shape: int, std: float) -> nn.Parameter:
@@ -200,6 +201,25 @@ class MoE(nn.Module):
         self.s_down = _param(gen, hidden, shared, std=out_std * shared ** -0.5)
         # 0..E-1: the grouped path finds each expert's end in the sorted pairs (not state).
         self.register_buffer("expert_ids", torch.arange(n_exp), persistent=False)
+        # Over several ranks (parallel.py): this rank's experts are first_expert onwards.
+        self.parallel = None
+        self.first_expert = 0
+
+    def shard(self, p) -> None:
+        """Keep this rank's experts and its share of the shared expert (parallel.py)."""
+        self.parallel = p
+        n = self.router.shape[0] // p.ep_size
+        self.first_expert = p.ep_rank * n
+        if n < self.router.shape[0]:
+            self.w_gate_up = nn.Parameter(self.w_gate_up[self.first_expert:self.first_expert + n].clone())
+            self.w_down = nn.Parameter(self.w_down[self.first_expert:self.first_expert + n].clone())
+            self.expert_ids = torch.arange(n, device=self.expert_ids.device)
+        if p.tp_size > 1:  # column- then row-parallel: this rank's slice of the intermediate size
+            s = self.s_down.shape[1] // p.tp_size
+            lo = p.tp_rank * s
+            gate, up = self.s_gate_up.chunk(2, dim=0)
+            self.s_gate_up = nn.Parameter(torch.cat([gate[lo:lo + s], up[lo:lo + s]]))
+            self.s_down = nn.Parameter(self.s_down[:, lo:lo + s].clone())
 
     @staticmethod
     def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -221,17 +241,45 @@ class MoE(nn.Module):
         return self.permute_impl != "reference" and moe_triton.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.parallel
+        if p is not None and p.exchanges:  # DEP: every data-parallel rank's rows meet here
+            routed = dep_moe(x, self.router, self.w_gate_up, self.w_down, self.first_expert, self.top_k,
+                             p.dp_group.group_name)
+            return tp_all_reduce(self._swiglu(x, self.s_gate_up, self.s_down) + routed, p)
         scores = torch.softmax(mm_fp32(x, self.router), dim=-1)
         top_w, top_i = route(scores, self.top_k)
+        if self.w_gate_up.shape[0] < scores.shape[1]:  # this rank's experts only (parallel.py)
+            out = local_experts(x, top_w, top_i, self.w_gate_up, self.w_down, self.first_expert,
+                                self._swiglu(x, self.s_gate_up, self.s_down))
+            return tp_all_reduce(out, p)
         if self._use_grouped(x):
             routed = torch.ops.dsv41.moe_grouped(x, top_w, top_i, self.w_gate_up, self.w_down, self.expert_ids,
                                                  self._use_kernels())
-            return self._swiglu(x, self.s_gate_up, self.s_down) + routed
-        combine = torch.zeros_like(scores).scatter(1, top_i, top_w).to(x.dtype)
-        out = self._swiglu(x, self.s_gate_up, self.s_down)
-        for e in range(self.router.shape[0]):
-            out = out + combine[:, e:e + 1] * self._swiglu(x, self.w_gate_up[e], self.w_down[e])
+            out = self._swiglu(x, self.s_gate_up, self.s_down) + routed
+        else:
+            combine = torch.zeros_like(scores).scatter(1, top_i, top_w).to(x.dtype)
+            out = self._swiglu(x, self.s_gate_up, self.s_down)
+            for e in range(self.router.shape[0]):
+                out = out + combine[:, e:e + 1] * self._swiglu(x, self.w_gate_up[e], self.w_down[e])
+        if p is not None:  # tensor parallel, every expert here: the shared expert is split
+            out = tp_all_reduce(out, p)
         return out
+
+
+def local_experts(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, first_expert: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts ``first_expert`` onwards (``w_gate_up.shape[0]`` of them) of
+    each row, weighted by its routing, added to ``out`` (zeros when None): one rank's
+    share of the routed sum, whose shares over the ranks add up to every expert's."""
+    n = w_gate_up.shape[0]
+    mine = (top_i >= first_expert) & (top_i < first_expert + n)
+    # Other ranks' experts get weight 0 at a clamped slot: scatter_add keeps them out.
+    combine = torch.zeros((x.shape[0], n), dtype=top_w.dtype, device=x.device).scatter_add(
+        1, (top_i - first_expert).clamp(0, n - 1), torch.where(mine, top_w, torch.zeros_like(top_w))).to(x.dtype)
+    out = torch.zeros_like(x) if out is None else out
+    for e in range(n):
+        out = out + combine[:, e:e + 1] * MoE._swiglu(x, w_gate_up[e], w_down[e])
+    return out
 
 
 def _moe_grouped(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, w_gate_up: torch.Tensor,

@@ -293,6 +293,14 @@ class StepRunner:
         if prompts:
             self.prefill(prompts, eager_replay, forward)
 
+    def idle_step(self) -> None:
+        """This data-parallel rank has no request this step: it still takes part, with a
+        dummy step the compiled model pads to the ranks' agreed size."""
+        if self.compiled is None:
+            raise RuntimeError("idle_step needs a StepRunner built with backend=ReplayBackend(...)")
+        with torch.inference_mode():
+            self.compiled.idle_step()
+
     # ---- compiled models ------------------------------------------------------------
     def start_serving(self) -> None:
         """Warm-up is over: a recompile is an error from now on, and served steps are

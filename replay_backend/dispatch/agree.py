@@ -1,0 +1,49 @@
+"""Data-parallel ranks agree on each step, in one small host collective.
+
+The ranks of a data-parallel group run batches of their own, yet their steps must
+meet: a collective inside a captured piece (an expert-parallel MoE's token exchange)
+needs every rank in the same graph at the same size, and in the replay region at the
+same replay size. So before each step every rank offers four numbers and all take the
+maximum of each (one all-reduce of four integers):
+
+* whether it must run without graphs (a warm-up step): then no rank uses graphs;
+* its token count: every rank pads its main layers to the size that fits the largest
+  rank's, a graph size, or that count itself where no graph fits (then every rank is
+  eager, padded to it);
+* whether it has rows to trim (a prefill longer than the window): in a step without
+  graphs one rank's trimming makes every rank trim (a rank with nothing to trim runs
+  all its rows as replay rows);
+* its replay rows: every rank pads its replay rows to the size that fits the largest
+  rank's.
+
+From these every rank derives the same decision (decide.plan_step). An idle rank
+takes part through a dummy step of one token, padded to the agreed size. The group
+should be a CPU (gloo) group: the numbers are the host's, and a device collective
+would make the host wait for the device on every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank of the data-parallel group takes for this step."""
+
+    graphs: bool  # every rank may use graphs
+    tokens: int  # the largest rank's token count
+    trimmable: bool  # some rank has a prefill longer than the window
+    replay_rows: int  # the largest rank's replay rows
+
+
+def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int) -> Agreement:
+    """All-reduce (max) this rank's offer over ``group``; returns what every rank takes."""
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows], dtype=torch.int64, device=device)
+    dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=group)
+    no_graphs, tokens, trimmable, rows = offer.tolist()
+    return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows))

@@ -1,0 +1,158 @@
+"""Several ranks on the CPU (gloo, one process per rank): tensor parallelism, data-parallel
+attention with expert-parallel MoE (DEP), and both, against the single-process model of
+the same weights, on piecewise and eager steps, trimmed and not, uneven batches, idle
+ranks; the ranks' agreement; a rank that raises."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from replay_backend import RequestChunk as R
+from replay_backend import build_model, preset
+from replay_backend.backend import ReplayBackend
+from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
+from replay_backend.reference.parallel import Parallel, shard
+from replay_backend.reference.runner import StepRunner
+from ranks import run_ranks
+
+CFG = preset("tiny").with_layers(6, (1, 2)).replace(window=16)
+OPTS = dict(compiler="eager", max_num_seqs=4, max_cudagraph_capture_size=64, decoder_replay_trim_threshold=48)
+TOL = 1e-4
+
+# One step per entry, for data-parallel rank 0 and rank 1 (None: that rank is idle).
+# Step 1: rank 0 prefills 70 tokens (above every graph: eager, trims); rank 1 has nothing
+# to trim, yet trims with it (every row a replay row), padded to rank 0's sizes.
+# Step 2: a lone decode beside an idle rank. Step 3: both graphed at the size of the
+# larger (40 tokens pad to 40; the other rank's 20 too); a chunk after context.
+# Step 4: the other rank idle. Step 5: both trim in graphs.
+DP_STEPS = [
+    ([R("a", 70, 70)], [R("b", 5, 5), R("c", 1, 1)]),
+    ([R("a", 1, 71)], None),
+    ([R("d", 20, 20)], [R("b", 40, 45)]),
+    (None, [R("b", 1, 46), R("c", 1, 2)]),
+    ([R("e", 50, 50)], [R("f", 2, 2), R("b", 1, 47)]),
+]
+# Tensor parallelism: every rank holds the same batch.
+TP_STEPS = [[R("a", 50, 50)], [R("a", 1, 51)], [R("b", 100, 100)],
+            [R("a", 1, 52), R("b", 2, 102), R("c", 30, 30, keep_all=True)]]
+
+
+def _groups(rank: int, tp: int, dp: int):
+    """This rank's TP group (consecutive ranks) and DP group (one rank per TP group):
+    every rank creates every group, as torch.distributed asks."""
+    tp_groups = [dist.new_group([d * tp + t for t in range(tp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
+    return tp_groups[rank // tp], dp_groups[rank % tp]
+
+
+def _serve(rank: int, world: int, tp: int, dp: int, ep: bool, steps) -> list[dict]:
+    tp_group, dp_group = _groups(rank, tp, dp)
+    par = Parallel(tp, rank % tp, tp_group, dp, rank // tp, dp_group, ep)
+    oracle_model, model = build_model(CFG), shard(build_model(CFG), par)
+    be = ReplayBackend(**OPTS, dp_group=dp_group if dp > 1 else None, tp_group=tp_group if tp > 1 else None)
+    rc = StepRunner(model, max_model_len=256, backend=be)
+    ro = StepRunner(oracle_model, max_model_len=256)
+    rc.capture()
+    out = []
+    for step in steps:
+        reqs = step[rank // tp] if dp > 1 else step
+        if reqs is None:
+            rc.idle_step()
+            out.append({"idle": True, "result": be.last_step})
+            continue
+        got, want = rc.step(reqs), ro.step(reqs)
+        out.append({"idle": False, "result": got.result, "err": max_abs_err(got.logits, want.logits),
+                    "kv": max_abs_err_kv(rc.kv, ro.kv, got.batch),
+                    "logprobs": max((max_abs_err(got.prompt_logprobs[k], want.prompt_logprobs[k])
+                                     for k in want.prompt_logprobs), default=0.0)})
+    return out
+
+
+def _check_agreed(per_rank: list[list[dict]]) -> None:
+    """Every rank ran every step at the same sizes, and matched the single-process model."""
+    for i, steps in enumerate(zip(*per_rank)):
+        for s in steps:
+            if not s["idle"]:
+                assert s["err"] <= TOL and s["kv"] <= TOL and s["logprobs"] <= TOL, (i, s)
+        sizes = {(s["result"].kind, s["result"].padded_tokens, s["result"].trimmed, s["result"].replay_padded)
+                 for s in steps}
+        assert len(sizes) == 1, (i, sizes)
+
+
+def test_tensor_parallel_ranks_match_the_single_process_model():
+    per_rank = run_ranks(_serve, 2, 2, 1, False, TP_STEPS)
+    _check_agreed(per_rank)
+    kinds = {(s["result"].kind.value, s["result"].trimmed) for s in per_rank[0]}
+    assert {("piecewise", True), ("piecewise", False), ("eager", True)} <= kinds, kinds
+
+
+def test_data_parallel_attention_with_expert_parallel_moe_matches_the_single_process_model():
+    per_rank = run_ranks(_serve, 2, 1, 2, True, DP_STEPS)
+    _check_agreed(per_rank)
+    first = [s["result"] for s in (per_rank[0][0], per_rank[1][0])]
+    # rank 0 trims its 70-token prefill; rank 1 has nothing to trim and runs its rows
+    # as replay rows, at rank 0's sizes: eager, padded to 70 tokens
+    assert all(r.kind.value == "eager" and r.padded_tokens == 70 and r.trimmed for r in first)
+    assert (first[0].replay_rows, first[1].replay_rows) == (16, 6)
+    assert per_rank[1][1]["idle"] and per_rank[1][1]["result"].padded_tokens == per_rank[0][1]["result"].padded_tokens
+
+
+def test_tensor_and_data_parallel_together():
+    per_rank = run_ranks(_serve, 4, 2, 2, True, DP_STEPS, timeout=400)
+    _check_agreed(per_rank)
+
+
+def _raises(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    t = torch.zeros(1)
+    dist.all_reduce(t)  # waits for rank 1, which never comes
+
+
+def test_a_rank_that_raises_is_named_and_the_others_do_not_hang():
+    with pytest.raises(AssertionError, match=r"rank 1 raised first:(.|\n)*rank 1 gives up"):
+        run_ranks(_raises, 2, timeout=60, collective_timeout=10)
+
+
+def _mismatched_sizes(rank: int, world: int) -> None:
+    be = ReplayBackend(**{**OPTS, "cudagraph_capture_sizes": [8, 16] if rank == 0 else [8, 32]},
+                       dp_group=dist.group.WORLD)
+    rc = StepRunner(build_model(CFG), max_model_len=256, backend=be)
+    rc.capture()
+
+
+def test_ranks_with_different_capture_sizes_are_refused_at_capture_naming_the_difference():
+    with pytest.raises(AssertionError, match=r"raised first(.|\n)*the ranks would capture different graphs: rank 1 "
+                                             r"has main sizes "
+                                             r"\(largest first\) \[32, 8\], rank 0 has \[16, 8\]"):
+        run_ranks(_mismatched_sizes, 2, timeout=100)
+
+
+@pytest.mark.parametrize("par, message", [
+    (Parallel(tp_size=3), "tp_size=3 does not divide num_heads=4"),
+    (Parallel(tp_size=2, tp_group=None), "tp_size=2 needs a tp_group"),
+    (Parallel(tp_size=2, tp_rank=2), r"tp_rank=2 is outside \[0, tp_size=2\)"),
+    (Parallel(tp_size=0), "tp_size must be an integer >= 1"),
+])
+def test_a_split_the_model_cannot_take_is_refused_before_anything_is_built(par, message):
+    with pytest.raises(ValueError, match=message):
+        par.check(CFG)
+
+
+def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
+    """One all-reduce (max) of four numbers: no graphs if any rank has none, the largest
+    token count and replay rows, trimming if any rank has rows to trim."""
+    from replay_backend.dispatch import agree as agree_mod
+
+    sent = []
+
+    def fake_all_reduce(t, op, group):  # the other rank: graphs, 90 tokens, trimmable, 40 rows
+        sent.append(t.tolist())
+        t.copy_(torch.maximum(t, torch.tensor([0, 90, 1, 40])))
+
+    monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    got = agree_mod.agree(object(), True, 20, False, 20)
+    assert got == agree_mod.Agreement(True, 90, True, 40) and sent == [[0, 20, 0, 20]]
+    assert agree_mod.agree(object(), False, 100, False, 60) == agree_mod.Agreement(False, 100, True, 60)
