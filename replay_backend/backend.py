@@ -28,7 +28,7 @@ from .batch import build_step_batch
 from .dispatch.direct import CallLog
 from .forward_context import has_forward_context, set_forward_context
 from .lifecycle import Lifecycle, Phase
-from .parallel import check_same_schedule
+from .parallel import check_same_options, check_same_schedule
 from .pipeline import build
 from .step_metadata import MetadataBuffer, metadata_capacity
 
@@ -64,6 +64,9 @@ class ReplayBackend:
         # Identical pieces compile once; pass one cache to several backends to share.
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache()
         self.dp_group, self.tp_group = dp_group, tp_group
+        for group in (dp_group, tp_group):  # before any trace: a rank with other options is an error now
+            if group is not None:
+                check_same_options(self.config, group)
         self.compiled: list[CompiledReplayModel] = []
         self.lifecycle = Lifecycle()  # shared by every graph compiled for this state
         # Calls of the compiled model through Dynamo while watched: the model's front
@@ -278,6 +281,8 @@ class ReplayBackend:
         grad_enabled = torch.is_grad_enabled()  # the traced call's grad mode, a guard of the frame
         model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group, self.calls,
                       len(self.compiled), self.lifecycle)
+        if self.config.debug_check_ranks:
+            model.tp_group = self.tp_group
         model.grad_enabled = grad_enabled
         window = model.plan.window
         if self.setup is not None and window is not None and self.setup.window != window:

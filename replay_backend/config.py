@@ -137,6 +137,7 @@ class ReplayConfig:
     max_num_batched_tokens: int = 16384
     strict: bool = False  # fallbacks raise instead of being logged and counted
     debug_check_addresses: bool = False  # check input addresses on every replay, not only the first
+    debug_check_ranks: bool = False  # tensor-parallel ranks check every step's plan is the same on each
     debug_dump_path: str | None = None
     inductor_mode: str | None = field(default=None, repr=False)
     # The options the caller gave (from_options), for notes on options a switch makes moot.
@@ -189,7 +190,7 @@ class ReplayConfig:
             return val
 
         for key in ("cudagraph_decoder_replay", "decoder_replay", "trim_io_graphs", "direct_dispatch",
-                    "metadata_in_place", "strict", "debug_check_addresses"):
+                    "metadata_in_place", "strict", "debug_check_addresses", "debug_check_ranks"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, f"must be true or false, got {getattr(self, key)!r}")
         if not isinstance(self.cudagraph_mode, str) or self.cudagraph_mode not in CUDAGRAPH_MODES:

@@ -1,11 +1,13 @@
-"""Several ranks: every rank of a group captures the same graphs, in the same order.
+"""Several ranks: every rank of a group runs the same graphs, in the same order.
 
 The collectives inside a model's pieces (a tensor-parallel all-reduce, an
 expert-parallel token exchange) only meet when every rank runs the same pieces at the
 same sizes: the step's sizes are agreed (dispatch/agree.py), so the graphs each rank
-holds must be the same set, captured in the same order. Before capture the ranks of a
-group exchange their capture schedule and refuse to go on, naming the first
-difference, when one rank's differs (other options, another model, other sizes).
+holds must be the same set, captured in the same order. So the ranks of a group compare
+what decides that, and refuse to go on, naming the first difference, when one rank's
+differs: their options when the backend is made (before any trace), their capture
+schedule before capture, and with ``debug_check_ranks`` every step's plan among
+tensor-parallel ranks, which hold the same batch and must decide alike.
 """
 from __future__ import annotations
 
@@ -23,18 +25,31 @@ def schedule(model) -> dict:
     }
 
 
-def check_same_schedule(model, group) -> None:
-    """Raise on every rank of ``group`` when any rank's capture schedule differs from
-    the first rank's, naming the ranks and what differs first."""
+def check_same(mine: dict, group, what: str) -> None:
+    """Raise on every rank of ``group`` when any rank's ``mine`` differs from the first
+    rank's, naming the ranks and the first key that differs (``what``: the error's lead)."""
     import torch.distributed as dist
 
-    mine = schedule(model)
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     for rank, theirs in enumerate(every):
         for key, want in every[0].items():
             if theirs.get(key) != want:
                 ranks = dist.get_process_group_ranks(group)
-                raise ValueError(f"dsv41_replay: the ranks would capture different graphs: rank {ranks[rank]} has "
-                                 f"{key} {theirs.get(key)}, rank {ranks[0]} has {want} (ranks of a group need the "
-                                 "same model, options and capture sizes)")
+                raise ValueError(f"dsv41_replay: {what}: rank {ranks[rank]} has {key} {theirs.get(key)}, rank "
+                                 f"{ranks[0]} has {want} (ranks of a group need the same model, options and "
+                                 "capture sizes)")
+
+
+def check_same_schedule(model, group) -> None:
+    check_same(schedule(model), group, "the ranks would capture different graphs")
+
+
+def check_same_options(config, group) -> None:
+    """The ranks' options, but the debug ones (a dump path may differ per rank)."""
+    mine = {k: v for k, v in config.as_dict().items() if not k.startswith("debug_")}
+    check_same(mine, group, "the ranks were given different options")
+
+
+def check_same_plan(plan, group) -> None:
+    check_same({"step plan": plan}, group, "tensor-parallel ranks decided a step differently")

@@ -50,7 +50,8 @@ def _serve(rank: int, world: int, tp: int, dp: int, ep: bool, steps) -> list[dic
     tp_group, dp_group = _groups(rank, tp, dp)
     par = Parallel(tp, rank % tp, tp_group, dp, rank // tp, dp_group, ep)
     oracle_model, model = build_model(CFG), shard(build_model(CFG), par)
-    be = ReplayBackend(**OPTS, dp_group=dp_group if dp > 1 else None, tp_group=tp_group if tp > 1 else None)
+    be = ReplayBackend(**OPTS, dp_group=dp_group if dp > 1 else None, tp_group=tp_group if tp > 1 else None,
+                       debug_check_ranks=tp > 1)
     rc = StepRunner(model, max_model_len=256, backend=be)
     ro = StepRunner(oracle_model, max_model_len=256)
     rc.capture()
@@ -115,18 +116,36 @@ def test_a_rank_that_raises_is_named_and_the_others_do_not_hang():
         run_ranks(_raises, 2, timeout=60, collective_timeout=10)
 
 
-def _mismatched_sizes(rank: int, world: int) -> None:
-    be = ReplayBackend(**{**OPTS, "cudagraph_capture_sizes": [8, 16] if rank == 0 else [8, 32]},
-                       dp_group=dist.group.WORLD)
-    rc = StepRunner(build_model(CFG), max_model_len=256, backend=be)
-    rc.capture()
+def _other_layers(rank: int, world: int) -> None:
+    """The same options, models of other depths: the traces differ, seen at capture."""
+    cfg = CFG if rank == 0 else preset("tiny").with_layers(8, (1, 3)).replace(window=16)
+    be = ReplayBackend(**OPTS, dp_group=dist.group.WORLD)
+    StepRunner(build_model(cfg), max_model_len=256, backend=be).capture()
 
 
-def test_ranks_with_different_capture_sizes_are_refused_at_capture_naming_the_difference():
+def test_ranks_that_would_capture_different_graphs_are_refused_at_capture_naming_the_difference():
     with pytest.raises(AssertionError, match=r"raised first(.|\n)*the ranks would capture different graphs: rank 1 "
-                                             r"has main sizes "
-                                             r"\(largest first\) \[32, 8\], rank 0 has \[16, 8\]"):
-        run_ranks(_mismatched_sizes, 2, timeout=100)
+                                             r"has main pieces \['graph', 'attention'"):
+        run_ranks(_other_layers, 2, timeout=100)
+
+
+def _different_options(rank: int, world: int) -> None:
+    ReplayBackend(**{**OPTS, "decoder_replay_trim_threshold": 48 if rank == 0 else 64}, dp_group=dist.group.WORLD)
+
+
+def _different_models(rank: int, world: int) -> None:
+    cfg = CFG.replace(seed=rank)
+    shard(build_model(cfg), Parallel(tp_size=2, tp_rank=rank, tp_group=dist.group.WORLD))
+
+
+@pytest.mark.parametrize("case, message", [
+    (_different_options, "the ranks were given different options: rank 1 has decoder_replay_trim_threshold 64, "
+                         "rank 0 has 48"),
+    (_different_models, "the ranks were given different model configs: rank 1 has seed 1, rank 0 has 0"),
+])
+def test_ranks_with_other_options_or_models_are_refused_before_any_trace(case, message):
+    with pytest.raises(AssertionError, match=message):
+        run_ranks(case, 2, timeout=100)
 
 
 @pytest.mark.parametrize("par, message", [

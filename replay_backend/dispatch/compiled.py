@@ -19,6 +19,7 @@ from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
+from ..parallel import check_same_plan
 from .agree import agree
 from .direct import GraphCall
 from .trim_op import ReplayRuntime
@@ -43,6 +44,7 @@ class CompiledReplayModel:
                  dp_group=None) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
+        self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
         self.main_level, self.replay, self.res = main_level, replay, res
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
         # What a model without a replay region decides steps by (with one, the region's
@@ -140,8 +142,12 @@ class CompiledReplayModel:
             agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
                               batch.replay.num_rows if batch is not None else num_tokens)
         if self.replay is not None and ctx is not None:
-            return self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement)
-        return plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs, agreement=agreement)
+            plan = self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement)
+        else:
+            plan = plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs, agreement=agreement)
+        if self.tp_group is not None:
+            check_same_plan(plan, self.tp_group)
+        return plan
 
     def _step(self, ctx, args) -> tuple:
         """Run one step; returns (outputs, its plan, or None for a graph without tokens)."""

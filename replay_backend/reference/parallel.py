@@ -29,12 +29,14 @@ Dynamo and Inductor trace as they are.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..oplib import define_op
+from ..parallel import check_same
 from ..passes.roles import declare_row_local
 
 
@@ -103,6 +105,9 @@ def shard(model, parallel: Parallel):
     """Cut ``model`` (a DSv41Mini with every weight, in place) down to this rank's share,
     so every rank starts from the same weights as the single-process model."""
     parallel.check(model.cfg)
+    for group in (parallel.tp_group, parallel.dp_group):  # every rank the same model
+        if group is not None:
+            check_same(dataclasses.asdict(model.cfg), group, "the ranks were given different model configs")
     model.parallel = parallel
     for blk in model.layers:
         blk.attn.shard(parallel)
