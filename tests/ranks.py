@@ -1,6 +1,7 @@
-"""Run a function on several ranks (processes, gloo on the CPU) inside a test, bounded in
-time: a rank that raises or hangs fails the test naming the rank, and no rank is left
-running after it."""
+"""Run a function on several ranks (processes; gloo on the CPU, NCCL on GPUs) inside a
+test, bounded in time: a rank that raises or hangs fails the test naming the rank, and
+no rank is left running after it (an NCCL rank can hang in its teardown: it is killed
+once its result is in)."""
 from __future__ import annotations
 
 import datetime
@@ -14,11 +15,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(fn, rank: int, world: int, init: str, out: str, collective_timeout: float, args: tuple) -> None:
+def _entry(fn, rank: int, world: int, init: str, out: str, collective_timeout: float, backend: str,
+           args: tuple) -> None:
     torch.set_num_threads(1)
     result: dict
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         result = {"ok": fn(rank, world, *args)}
     except BaseException:  # noqa: BLE001 - reported to the parent, which names the rank
@@ -30,16 +34,18 @@ def _entry(fn, rank: int, world: int, init: str, out: str, collective_timeout: f
         pass
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 300.0, collective_timeout: float = 120.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` ranks of one gloo group (``fn`` must be a
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, collective_timeout: float = 120.0,
+              backend: str = "gloo") -> list:
+    """``fn(rank, world, *args)`` on ``world`` ranks of one ``backend`` group (gloo on the
+    CPU; nccl: one GPU per rank; ``fn`` must be a
     module-level function); returns each rank's result. A rank that raised fails with
     the first rank's traceback, that rank named; ranks still running after ``timeout``
     seconds are killed and named."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, init, tmp, collective_timeout, args), daemon=True)
-                 for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init, tmp, collective_timeout, backend, args),
+                             daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

@@ -159,6 +159,39 @@ def test_a_split_the_model_cannot_take_is_refused_before_anything_is_built(par, 
         par.check(CFG)
 
 
+def serve_one_rank(rank: int, world: int, how: str, device: str, compiler: str) -> list:
+    """One rank whose groups hold only itself: the collectives run all the same (a TP
+    all-reduce, or the DEP exchange), inside the captured graphs."""
+    group = dist.group.WORLD
+    par = Parallel(tp_size=1, tp_group=group) if how == "tp" else \
+        Parallel(dp_size=1, dp_group=group, enable_expert_parallel=True)
+    oracle_model = build_model(CFG, device, torch.float32)
+    model = shard(build_model(CFG, device, torch.float32), par)
+    be = ReplayBackend(**{**OPTS, "compiler": compiler}, strict=True,
+                       dp_group=dist.new_group([0], backend="gloo") if how == "dep" else None)
+    rc, ro = StepRunner(model, max_model_len=256, backend=be), StepRunner(oracle_model, max_model_len=256)
+    summary = rc.capture()
+    out = []
+    for reqs in TP_STEPS:
+        got, want = rc.step(reqs), ro.step(reqs)
+        out.append((got.result.kind.value, got.result.trimmed, max_abs_err(got.logits, want.logits),
+                    max_abs_err_kv(rc.kv, ro.kv, got.batch)))
+    return [summary["main"]["graphs"], out]
+
+
+def check_one_rank(graphs: int, steps: list) -> None:
+    assert graphs > 0
+    assert {("piecewise", True), ("eager", True)} <= {(k, t) for k, t, _, _ in steps}
+    for kind, trimmed, err, kv in steps:
+        assert err < 1e-4 and kv < 1e-4, (kind, trimmed, err, kv)
+
+
+@pytest.mark.parametrize("how", ["tp", "dep"])
+def test_groups_of_one_rank_run_their_collectives_too(how):
+    graphs, steps = run_ranks(serve_one_rank, 1, how, "cpu", "eager", timeout=200)[0]
+    check_one_rank(graphs, steps)
+
+
 def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
     """One all-reduce (max) of four numbers: no graphs if any rank has none, the largest
     token count and replay rows, trimming if any rank has rows to trim."""

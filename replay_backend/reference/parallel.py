@@ -55,8 +55,9 @@ class Parallel:
 
     @property
     def exchanges(self) -> bool:
-        """The MoE exchanges tokens between DP ranks (DEP)."""
-        return self.enable_expert_parallel and self.dp_size > 1
+        """The MoE exchanges tokens between DP ranks (DEP); with a group of one rank too,
+        so that one GPU runs the collectives inside its graphs."""
+        return self.enable_expert_parallel and self.dp_group is not None
 
     @property
     def ep_size(self) -> int:
@@ -116,8 +117,9 @@ def shard(model, parallel: Parallel):
 
 
 def tp_all_reduce(x: torch.Tensor, parallel: Parallel | None) -> torch.Tensor:
-    """The sum over the TP group (a functional collective, traced as it is)."""
-    if parallel is None or parallel.tp_size == 1:
+    """The sum over the TP group (a functional collective, traced as it is); with a group
+    of one rank too, so that one GPU runs the collective inside its graphs."""
+    if parallel is None or parallel.tp_group is None:
         return x
     import torch.distributed._functional_collectives as funcol
 
