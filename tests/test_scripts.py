@@ -62,3 +62,24 @@ def test_host_profile_components_time_each_call_and_undo(monkeypatch):
         Owner().work(3)
         assert components.take()["work"][1] == 1
     assert Owner.__dict__["work"] is original
+
+
+def test_step_phases_times_a_served_step_of_a_real_runner(monkeypatch):
+    """Phases hooks the served steps' direct entry (its first call of the graph is the
+    step's first launch) and times a full step of a captured runner, on the CPU."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import torch
+
+    import step_phases
+    from replay_backend import ReplayBackend, StepRunner, build_model, preset
+
+    torch._dynamo.reset()
+    model = build_model(preset("tiny").with_layers(4, (1, 2)).replace(window=16))
+    runner = StepRunner(model, backend=ReplayBackend(compiler="eager", max_cudagraph_capture_size=64,
+                                                     decoder_replay_trim_threshold=48, max_num_seqs=4),
+                        max_num_seqs=4, max_model_len=128, max_num_batched_tokens=256)
+    runner.capture()
+    phases = step_phases.Phases(runner, 40, 1)
+    times = phases.full("a")
+    assert phases.launch is not None and times["full"] > 0
+    torch._dynamo.reset()
