@@ -320,6 +320,21 @@ def maxmin(c: Call) -> str | None:
     return along_dim(c)
 
 
+# ---- random numbers --------------------------------------------------------------------
+def random_draw(c: Call) -> str | None:
+    """A row's random numbers depend on its place in the step's draw: a trimmed step, or a
+    padded one, draws other numbers for the same row."""
+    return c.refuse("draws random numbers by the row's place in the step, which trimming and padding move")
+
+
+def dropout(c: Call) -> str | None:
+    """Dropout is the identity where it does not train (or drops nothing)."""
+    training, p = c.arg("training", "train", pos=2, default=True), c.arg("p", pos=1, default=0.5)
+    if training is False or p == 0:
+        return None
+    return random_draw(c)
+
+
 # ---- indexing --------------------------------------------------------------------------
 def _walk(c: Call, base, index) -> tuple[str | None, int, int]:
     """(why indexing ``base`` may mix rows, where its token dimension lands, how many
@@ -394,7 +409,7 @@ POINTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
     "and_", "or_", "xor", "invert", "lshift", "rshift", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
     "float", "double", "half", "bfloat16", "int", "long", "bool", "to", "type", "type_as", "clone", "contiguous",
-    "detach", "nan_to_num", "rand_like", "randn_like", "dropout", "alpha_dropout", "polar", "real", "imag", "conj",
+    "detach", "nan_to_num", "polar", "real", "imag", "conj",
     "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "copy_", "fill_", "zero_",
 })
 # Shape ops that move or split dimensions but keep the token dimension whole: the
@@ -439,6 +454,8 @@ RULES = {
     "interpolate": pooling, "upsample": pooling,
     **{n: matmul for n in ("matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "linear")},
     "outer": outer, "ger": outer, "einsum": einsum, "embedding": embedding, "getitem": getitem, "setitem": setitem,
+    **{n: random_draw for n in ("rand_like", "randn_like", "randint_like", "bernoulli", "normal", "uniform_")},
+    **{n: dropout for n in ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d")},
     **{n: reshape for n in RESHAPES},
 }
 # Parameters whose symbolic values are sizes (the row count may size a shape, but a

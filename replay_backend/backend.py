@@ -29,6 +29,7 @@ from .dispatch.direct import CallLog
 from .forward_context import has_forward_context, set_forward_context
 from .lifecycle import Lifecycle, Phase
 from .parallel import check_same_options, check_same_schedule
+from .passes.region import marked_window
 from .pipeline import build
 from .step_metadata import MetadataBuffer, metadata_capacity
 
@@ -61,8 +62,18 @@ class ReplayBackend:
             raise ValueError(f"ReplayBackend(config=...) takes a ReplayConfig, got {type(config).__name__}: pass "
                              "options as keywords, e.g. ReplayBackend(compiler='eager')")
         self.config = config if config is not None else ReplayConfig.from_options(options)
+        for note in self.config.notes():  # once per backend state: options a switch makes moot
+            log.warning("%s", note)
         # Identical pieces compile once; pass one cache to several backends to share.
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache()
+        if dp_group is not None:
+            import torch.distributed as dist
+
+            if dist.get_backend(dp_group) != "gloo":
+                raise ValueError(f"ReplayBackend(dp_group=...): a {dist.get_backend(dp_group)} group; the ranks agree "
+                                 "on every step in a host collective, which on a device group would make the host "
+                                 "wait for the device each step: give a CPU group, dist.new_group(ranks, "
+                                 "backend='gloo')")
         self.dp_group, self.tp_group = dp_group, tp_group
         for group in (dp_group, tp_group):  # before any trace: a rank with other options is an error now
             if group is not None:
@@ -192,7 +203,7 @@ class ReplayBackend:
         life.advance(Phase.SERVING)
 
     def freeze(self) -> None:
-        """The former name of :meth:`start_serving`."""
+        """:meth:`start_serving`, by another name."""
         self.start_serving()
 
     def build_batch(self, requests, token_ids, blocks, max_num_batched_tokens: int | None = None,
@@ -227,7 +238,7 @@ class ReplayBackend:
     @property
     def last_step(self):
         """What the last step of the compiled model did (a ``StepResult``), or None."""
-        plan = self.compiled[-1].last_plan if self.compiled else None
+        plan = self.lifecycle.last_plan
         return plan.result if plan is not None else None
 
     def use(self, setup):
@@ -238,15 +249,18 @@ class ReplayBackend:
 
         if not isinstance(setup, StepSetup):
             raise TypeError(f"expected a replay_backend.StepSetup, got {type(setup).__name__}")
-        window = self.model.plan.window if self.compiled else None
-        if window is not None and setup.window != window:
-            raise ValueError(f"StepSetup.window={setup.window} differs from the window W={window} the model's "
-                             "replay_begin declares")
+        self._check_window(setup, self.model.plan.window if self.compiled else None)
         if self.setup is not None and not setup.same_as(self.setup):
             raise ValueError("a different StepSetup than the one this backend's steps are built from (its layout, "
                              "window, device, kv cache, view fields or prepare_view differ): give one per model")
         self.setup = setup
         return setup
+
+    @staticmethod
+    def _check_window(setup, window: int | None) -> None:
+        if setup is not None and window is not None and setup.window != window:
+            raise ValueError(f"StepSetup.window={setup.window} differs from the window W={window} the model's "
+                             "replay_begin declares")
 
     def _learned_model(self, what: str) -> CompiledReplayModel:
         if not self.has_run:
@@ -278,16 +292,13 @@ class ReplayBackend:
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
         else:  # once per backend, not per graph
             log.info("dsv41_replay config: %s", self.config.as_dict())
+        self._check_window(self.setup, marked_window(gm))  # before the compile, which may take minutes
         grad_enabled = torch.is_grad_enabled()  # the traced call's grad mode, a guard of the frame
         model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group, self.calls,
                       len(self.compiled), self.lifecycle)
         if self.config.debug_check_ranks:
             model.tp_group = self.tp_group
         model.grad_enabled = grad_enabled
-        window = model.plan.window
-        if self.setup is not None and window is not None and self.setup.window != window:
-            raise ValueError(f"StepSetup.window={self.setup.window} differs from the window W={window} the "
-                             "model's replay_begin declares")
         inspection.on_built(model)
         self.compiled.append(model)
         self.lifecycle.advance(Phase.WARMING)

@@ -178,6 +178,9 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
         if len(toks) != r.query_len:
             raise ValueError(f"request {i}: {len(toks)} token ids for query_len={r.query_len}")
+        if isinstance(toks, torch.Tensor) and toks.device.type != "cpu":
+            raise ValueError(f"request {i}: token_ids[{i}] is on {toks.device}: a step's metadata is built on the "
+                             "host, so give its token ids as a list or a CPU tensor")
     if len(blocks) != len(requests):
         raise ValueError(f"{len(blocks)} cache blocks for {len(requests)} requests")
     blocks = check_blocks(requests, blocks, layout, shared=pad_writes)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import logging
 import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-log = logging.getLogger("replay_backend")
 
 CUDAGRAPH_MODES = ("piecewise", "none")
 COMPILERS = ("inductor", "eager")
@@ -24,8 +22,8 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 DUMP_ENV_VAR = "DSV41_REPLAY_DUMP"
 
 # The most tokens one step may hold (max_num_batched_tokens, and so every capture size
-# and the trim threshold). A runner sizes a step's metadata for it up front (about 7
-# int64 per token, step_metadata.metadata_capacity) and each graph's static buffers
+# and the trim threshold). The backend sizes a step's metadata for it up front (6
+# int64 per token and the model's view fields, step_metadata.metadata_capacity) and each graph's static buffers
 # for its size; past 2**20 tokens one bf16 activation of a 4096-wide model alone is
 # 8 GiB, so a larger number is a typo that would otherwise surface as an allocation
 # of terabytes.
@@ -103,18 +101,6 @@ def _as_list(key: str, val) -> tuple:
         return tuple(val)
     example = "['a::b', 'c::d']" if key == "splitting_ops" else "[1, 2, 4, 8]"
     raise ValueError(f"option {key} must be a list (e.g. {example}), got {type(val).__name__} {val!r}")
-
-
-_NOTED: set[tuple] = set()
-
-
-def _log_once(config: "ReplayConfig", note: str) -> None:
-    """Log ``note`` once per config (equal configs are one): a config is made again
-    for each graph of a compile, and its notes need saying once."""
-    key = (config, note)
-    if key not in _NOTED:
-        _NOTED.add(key)
-        log.warning("%s", note)
 
 
 @dataclass(frozen=True)
@@ -239,8 +225,6 @@ class ReplayConfig:
             raise ValueError(f"inductor_mode={self.inductor_mode!r}: set it through mode=")
         if self._given is not None:
             object.__setattr__(self, "_given", frozenset(self._given))
-        for note in self.notes():
-            _log_once(self, note)
 
     def given(self) -> frozenset[str]:
         """The options set by the caller: the keys passed to :meth:`from_options`, or,

@@ -25,7 +25,7 @@ class Counters:
     untrimmed: int = 0  # steps whose trim op ran the region on the whole batch
     replay_dispatch: Counter = field(default_factory=Counter)  # by padded size ("eager" above)
     # Graphed trimming steps whose replay rows were copied to the gather graphs' index:
-    # their batch was not built in its runner's metadata buffer (dispatch/trim_io.py).
+    # their batch was not built in its backend's metadata buffer (dispatch/trim_io.py).
     trim_index_copies: int = 0
     fallbacks: Counter = field(default_factory=Counter)  # by reason
 

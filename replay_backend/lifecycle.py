@@ -44,6 +44,9 @@ class Lifecycle:
     def __init__(self) -> None:
         self.phase = Phase.TRACING
         self._noted = False
+        # The plan of the last step any graph of this state ran (a recompile's graph or
+        # the first one's): what ``last_step`` reports.
+        self.last_plan = None
 
     def phase_note(self, message: str) -> None:
         """Log ``message`` once: a step ran in a phase that is likely a missed call."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import is_int
 from .kv_cache import CacheLayout
 
 
@@ -18,15 +19,6 @@ from .kv_cache import CacheLayout
 # request (no cache could hold it), and it must fail here, not as an overflow or an
 # allocation deep inside a step.
 MAX_POSITION = 2 ** 31 - 1
-
-
-def _is_index(val) -> bool:
-    """An integer of any kind (numpy's too), not a float or a string."""
-    try:
-        operator.index(val)
-    except TypeError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -55,7 +47,7 @@ class RequestChunk:
             val = getattr(self, name)
             if val is None and name == "kv_start":
                 continue
-            if isinstance(val, bool) or not _is_index(val):
+            if not is_int(val):
                 raise ValueError(f"RequestChunk.{name} must be an int, got {type(val).__name__} {val!r} "
                                  f"(req_id={self.req_id!r})")
             if not -MAX_POSITION <= val <= MAX_POSITION:
@@ -176,7 +168,7 @@ def check_blocks(requests, blocks, layout: CacheLayout, shared: bool = False) ->
     seen: dict[int, int] = {}
     for i, (r, b) in enumerate(zip(requests, blocks)):
         where = f"request {i} (req_id={r.req_id!r})"
-        if isinstance(b, bool) or not _is_index(b):
+        if not is_int(b):
             raise ValueError(f"{where}: cache block must be an int, got {type(b).__name__} {b!r}")
         b = operator.index(b)
         if not 0 <= b < layout.num_blocks:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from replay_backend import config as config_mod
+from replay_backend.backend import ReplayBackend
 from replay_backend.config import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, ReplayConfig, check_size,
                                    default_capture_sizes, default_replay_capture_sizes, padded_size)
 from replay_backend.kv_cache import MAX_MODEL_LEN, MAX_NUM_SLOTS, CacheLayout
@@ -307,10 +307,9 @@ NOTED = [
 
 @pytest.mark.parametrize("options, key, switch", NOTED, ids=[f"{k}-{s}-{i}" for i, (_, k, s) in enumerate(NOTED)])
 def test_an_option_a_switch_turns_off_is_noted_once_naming_both(options, key, switch, caplog, monkeypatch):
-    monkeypatch.setattr(config_mod, "_NOTED", set())
     with caplog.at_level(logging.WARNING, logger="replay_backend"):
-        ReplayConfig.from_options(options)
-        ReplayConfig.from_options(dict(options))  # the same config again: noted once
+        ReplayConfig.from_options(options)  # a config alone says nothing: its backend does
+        ReplayBackend(ReplayConfig.from_options(dict(options)))  # once per backend state
     notes = [r.getMessage() for r in caplog.records if r.name == "replay_backend"]
     assert len(notes) == 1, notes
     assert f"option {key}" in notes[0] and switch in notes[0], notes[0]
@@ -318,10 +317,9 @@ def test_an_option_a_switch_turns_off_is_noted_once_naming_both(options, key, sw
 
 
 def test_a_config_built_directly_notes_what_differs_from_the_defaults(caplog, monkeypatch):
-    monkeypatch.setattr(config_mod, "_NOTED", set())
     with caplog.at_level(logging.WARNING, logger="replay_backend"):
-        ReplayConfig(decoder_replay=False, decoder_replay_trim_threshold=500)
-        ReplayConfig(decoder_replay=False, decoder_replay_trim_threshold=600)  # another config: noted too
+        ReplayBackend(ReplayConfig(decoder_replay=False, decoder_replay_trim_threshold=500))
+        ReplayBackend(ReplayConfig(decoder_replay=False, decoder_replay_trim_threshold=600))  # another: noted too
     notes = [r.getMessage() for r in caplog.records if r.name == "replay_backend"]
     assert len(notes) == 2 and all("decoder_replay_trim_threshold" in n and "decoder_replay=False" in n
                                    for n in notes), notes
@@ -337,16 +335,14 @@ def test_a_config_built_directly_notes_what_differs_from_the_defaults(caplog, mo
     ({"cudagraph_mode": "none"}, "max-autotune"),
 ])
 def test_options_that_agree_with_the_switches_are_not_noted(options, mode, caplog, monkeypatch):
-    monkeypatch.setattr(config_mod, "_NOTED", set())
     with caplog.at_level(logging.WARNING, logger="replay_backend"):
-        assert ReplayConfig.from_options(options, mode).notes() == []
+        assert ReplayBackend(ReplayConfig.from_options(options, mode)).config.notes() == []
     assert not caplog.records
 
 
 def test_mode_without_cudagraphs_notes_that_this_backends_graphs_stay_on(caplog, monkeypatch):
-    monkeypatch.setattr(config_mod, "_NOTED", set())
     with caplog.at_level(logging.WARNING, logger="replay_backend"):
-        ReplayConfig.from_options({}, "max-autotune-no-cudagraphs")
+        ReplayBackend(ReplayConfig.from_options({}, "max-autotune-no-cudagraphs"))
     (note,) = [r.getMessage() for r in caplog.records]
     assert "max-autotune-no-cudagraphs" in note and "cudagraph_mode" in note
     assert ReplayConfig.from_options({"cudagraph_mode": "none"}, "max-autotune-no-cudagraphs").notes() == []

@@ -249,3 +249,18 @@ def test_a_graph_call_runs_dummy_steps_of_any_size_on_zeros():
     n, a, b, c = m.calls[-1]
     assert n == 3 and b is w and torch.equal(a, torch.zeros(3, dtype=torch.int64))
     assert c.shape == (3, 2) and c.dtype == torch.float64 and not c.any()
+
+
+def test_the_entry_refuses_what_dynamo_or_python_would():
+    """Another trailing shape of a token input is a new trace, not a broadcast; an unknown
+    or repeated keyword is refused as Python refuses it."""
+    m, w = _Model(), torch.ones(3)
+    ids, pos = torch.zeros(6, 2), torch.arange(6)
+    entry = _learn(m, (6, ids, w, pos), m(6, ids, w, pos), ids, pos, m.result, {id(w)})
+    assert "input_ids has shape (4, 1), traced with ('T', 2)" in entry.mismatch(
+        entry.bind((torch.zeros(4, 1), torch.arange(4)), {}))
+    assert entry.mismatch(entry.bind((torch.zeros(9, 2), torch.arange(9)), {})) is None
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scale'"):
+        entry.bind((ids, pos), {"scale": 3.0})
+    with pytest.raises(TypeError, match="multiple values for argument 'input_ids'"):
+        entry.bind((ids, pos), {"input_ids": ids})

@@ -133,6 +133,7 @@ MIXING = {
 
 # Row-local forms of the same ops: the region is kept and trims exactly.
 ROW_LOCAL = {
+    "dropout out of training": lambda h, p: F.dropout(h, 0.5, training=False),
     "layer_norm over the features": lambda h, p: F.layer_norm(h, (H,)),
     "layer_norm over h.shape[1:]": lambda h, p: F.layer_norm(h, h.shape[1:]),
     "rms_norm over [H]": lambda h, p: F.rms_norm(h, [h.shape[-1]]),
@@ -283,3 +284,16 @@ def test_the_analysis_alone_on_forms_traced_for_one_count(name):
     with pytest.raises(ReplayRegionError, match="not row-local") as e:
         traced_region(body)
     assert f"({op})" in str(e.value) and "getattr" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("name, body, op", [
+    ("dropout in training", lambda h, p: F.dropout(h, 0.1, training=True), "dropout"),
+    ("rand_like noise", lambda h, p: h + torch.rand_like(h), "rand_like"),
+])
+def test_random_numbers_drawn_per_row_place_are_refused(name, body, op):
+    """A row's random numbers follow its place in the step's draw, which trimming and
+    padding move: the region is refused, naming the op (results differ by design)."""
+    compiled, results, moved, fallbacks = compiled_steps(Tiny(body).eval())
+    reason = replay_backend.plan_of(compiled).replay_off_reason
+    assert f"({op}) draws random numbers" in reason, reason
+    assert fallbacks == {"replay_region_unsupported": 1, "main_graphs_padding_unsafe": 1}

@@ -283,3 +283,58 @@ def test_steps_after_capture_without_start_serving_are_noted_once(caplog):
     server.step([RequestChunk("a", 3, 3)])
     server.step([RequestChunk("a", 1, 4)])
     assert caplog.text.count("steps run after capture() without start_serving()") == 1
+
+
+def test_token_ids_on_a_device_are_refused_naming_them():
+    layout = CacheLayout(64, 2)
+    with pytest.raises(ValueError, match=r"token_ids\[0\] is on meta: a step's metadata is built on the host"):
+        replay_backend.build_step_batch([RequestChunk("a", 3, 3)], [torch.zeros(3, dtype=torch.int64, device="meta")],
+                                        [0], layout, W, "cpu")
+
+
+def test_a_window_other_than_the_markers_is_refused_before_the_compile():
+    model = LlamaSWA(window=W).eval()
+    server = LlamaServer(model)
+    setup = StepSetup(server.layout, W * 2, server.cache)
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS, setup=setup)
+    batch = server.setup.dummy_batch(W)
+    with counters.expect(strict=False, compilations=0, pieces={}):
+        with pytest.raises(Exception, match=r"StepSetup.window=16 differs from the window W=8"), torch.no_grad():
+            with replay_backend.set_forward_context(server.setup.context(batch)):
+                compiled(batch.input_ids, batch.positions)
+
+
+def test_a_device_group_for_the_per_step_agreement_is_refused(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    with pytest.raises(ValueError, match=r"dp_group=...\): a nccl group.*backend='gloo'"):
+        ReplayBackend(compiler="eager", dp_group=object())
+
+
+def test_capture_tried_again_after_a_failure_captures(monkeypatch):
+    """A capture that failed part-way (here in its replay stage) can be tried again."""
+    model, server, compiled = None, None, None
+    model = LlamaSWA(window=W).eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS)
+    server = LlamaServer(model, compiled)
+    server.warm_up()
+    runtime = compiled.backend.model.replay
+    real = runtime.capture
+    calls = []
+
+    def failing(size, view):
+        calls.append(size)
+        if len(calls) == 3:
+            raise RuntimeError("a capture failure")
+        return real(size, view)
+
+    monkeypatch.setattr(runtime, "capture", failing)
+    with pytest.raises(RuntimeError, match="a capture failure"):
+        compiled.capture(server.setup)
+    assert compiled.phase is replay_backend.Phase.WARMING
+    compiled.capture(server.setup)
+    compiled.start_serving()
+    got, result = server.step([RequestChunk("a", 40, 40)])
+    want, _ = LlamaServer(model).step([RequestChunk("a", 40, 40)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -172,3 +172,17 @@ def custom_op_name(op) -> str | None:
     """``namespace::name`` of what ``torch.library.custom_op`` returned, else None."""
     kind = getattr(getattr(torch, "library", None), "CustomOpDef", None)
     return getattr(op, "_qualname", None) if kind is not None and isinstance(op, kind) else None
+
+
+def tree_flatten(tree) -> tuple[list, Any]:
+    """The leaves of a nested result (tuples, lists, dicts) and its structure: torch's
+    private pytree, the one Dynamo itself flattens outputs with."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)

@@ -10,9 +10,8 @@ from typing import Callable
 
 import torch
 
-from ..fallbacks import Fallback
+from ..fallbacks import Fallback, process_fallback
 from . import graphs as compat_graphs
-from ..fallbacks import process_fallback
 
 
 try:

@@ -17,9 +17,9 @@ maximum of each (one all-reduce of four integers):
   rank's.
 
 From these every rank derives the same decision (decide.plan_step). An idle rank
-takes part through a dummy step of one token, padded to the agreed size. The group
-should be a CPU (gloo) group: the numbers are the host's, and a device collective
-would make the host wait for the device on every step.
+takes part through a dummy step of one token, padded to the agreed size. The group is
+a CPU (gloo) group (the backend refuses another): the numbers are the host's, and a
+device collective would make the host wait for the device on every step.
 """
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int) -
     """All-reduce (max) this rank's offer over ``group``; returns what every rank takes."""
     import torch.distributed as dist
 
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows], dtype=torch.int64, device=device)
+    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows], dtype=torch.int64)
     dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=group)
     no_graphs, tokens, trimmable, rows = offer.tolist()
     return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows))

@@ -119,6 +119,8 @@ class CompiledReplayModel:
             finally:
                 ctx.compiled_step = False
         self.last_plan = plan
+        if plan is not None:
+            self.res.lifecycle.last_plan = plan
         if self.res.lifecycle.phase is Phase.CAPTURED:
             self.res.lifecycle.phase_note("steps run after capture() without start_serving(): a recompile is not an "
                                           "error yet, and a size without a graph is captured in the step; call "

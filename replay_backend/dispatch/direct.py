@@ -19,8 +19,9 @@ Two records make that call instead, each learned from one call Dynamo made:
   through Dynamo).
 
 What Dynamo's guards checked and the entry checks per call: each tensor input's dtype,
-device and rank, that the token-indexed ones agree in length and the others keep their
-shape, and that the constant arguments keep their values. What it does not see: a
+device and shape (the token-indexed ones past their first dimension, which they agree
+on), the constant arguments' values, the arguments Python would refuse, and the grad
+mode. What it does not see: a
 parameter replaced by another object (the graphs read the old one's memory regardless:
 update weights in place), module flags such as ``training``, and global state such as
 the grad mode. ``direct_dispatch=false`` keeps Dynamo's entry on every call.
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from ..compat import dynamo as compat_dynamo
 
 
 class CallLog:
@@ -110,7 +112,7 @@ class DirectEntry:
     template: tuple  # the graph's arguments, None where they change per call
     params: tuple[str, ...]  # the forward's parameters in order (for positional calls)
     inputs: tuple[tuple[str, int, bool], ...]  # (name, graph slot or _NOT_GRAPH, token-indexed) per tensor
-    specs: tuple[tuple[torch.dtype, torch.device, tuple[int, ...] | int], ...]  # dtype, device, shape (rank if token)
+    specs: tuple[tuple[torch.dtype, torch.device, tuple[int, ...]], ...]  # dtype, device, shape (past dim 0 if token)
     constants: tuple[tuple[str, Any], ...]  # the forward's other arguments and their traced values
     tokens: tuple[int, ...]  # slots of the token count
     outputs: tuple[int | None, ...]  # per leaf of the result: the graph output, or None for a constant
@@ -119,10 +121,16 @@ class DirectEntry:
     grad_enabled: bool  # the grad mode of the traced call (a guard of Dynamo's)
 
     def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, refused where Python would refuse them."""
         if len(args) > len(self.params):
             raise TypeError(f"forward takes {len(self.params)} arguments, got {len(args)}")
         bound = dict(zip(self.params, args))
-        bound.update(kwargs)
+        for name, value in kwargs.items():
+            if name not in self.params:
+                raise TypeError(f"forward got an unexpected keyword argument {name!r}")
+            if name in bound:
+                raise TypeError(f"forward got multiple values for argument {name!r}")
+            bound[name] = value
         return bound
 
     def mismatch(self, bound: Mapping[str, Any]) -> str | None:
@@ -138,8 +146,8 @@ class DirectEntry:
             if x.dtype != dtype or x.device != device:
                 return f"input {name} is {x.dtype} on {x.device}, traced as {dtype} on {device}"
             if token:
-                if x.dim() != shape:
-                    return f"input {name} has rank {x.dim()}, traced with rank {shape}"
+                if tuple(x.shape[1:]) != shape:
+                    return f"input {name} has shape {tuple(x.shape)}, traced with {('T', *shape)}"
                 if n is None:
                     n = x.shape[0]
                 elif x.shape[0] != n:
@@ -170,7 +178,7 @@ class DirectEntry:
             return out[self.outputs[0]]  # the common case: the forward returns one graph output
         consts = iter(self.constant_leaves)
         leaves = [out[i] if i is not None else next(consts) for i in self.outputs]
-        return pytree.tree_unflatten(leaves, self.spec)
+        return compat_dynamo.tree_unflatten(leaves, self.spec)
 
 
 def _same_constant(a, b) -> bool:
@@ -221,10 +229,10 @@ def learn(model, args: tuple, outputs: tuple, bound: Mapping[str, Any], params: 
         slot = slot_of.get(name, _NOT_GRAPH)
         is_token = slot in token
         inputs.append((name, slot, is_token))
-        specs.append((x.dtype, x.device, x.dim() if is_token else tuple(x.shape)))
+        specs.append((x.dtype, x.device, tuple(x.shape[1:]) if is_token else tuple(x.shape)))
     if n is None:
         return "no forward input is token-indexed in the compiled graph"
-    leaves, spec = pytree.tree_flatten(result)
+    leaves, spec = compat_dynamo.tree_flatten(result)
     position = {id(o): j for j, o in enumerate(outputs) if isinstance(o, torch.Tensor)}
     outs, const_leaves = [], []
     for leaf in leaves:

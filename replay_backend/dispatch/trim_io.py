@@ -9,7 +9,7 @@ left on the host per step is two replays (instead of a launch per row tensor and
 output).
 
 The per-step index data is one device buffer: at 0 the number of real replay rows n,
-then ``[1, R + 1)`` the rows to gather. A serving runner builds every step's metadata
+then ``[1, R + 1)`` the rows to gather. A serving backend builds every step's metadata
 into one fixed buffer with the count and rows at its head (``step_metadata.py``), and
 the graphs are captured on that head: a served step's index data is in place, with no
 copy at all. A batch built elsewhere (fresh memory) is staged instead: one
@@ -79,8 +79,10 @@ class TrimIO:
         self._tail_cache: dict[tuple[int, int], tuple[tuple, tuple]] = {}
 
     def adopt(self, metadata: MetadataBuffer) -> None:
-        """Capture the graphs on the head of ``metadata`` (a serving runner's buffer)
+        """Capture the graphs on the head of ``metadata`` (the serving backend's buffer)
         instead of this object's own index buffer."""
+        if metadata is self.metadata:  # a capture tried again: the graphs already read it
+            return
         if self.graphs:
             raise RuntimeError("trim gather graphs were captured already: their index cannot move")
         data = metadata.data
@@ -139,7 +141,7 @@ class TrimIO:
         read it in that order."""
         counters.trim_index_copies += 1
         if self.metadata is not None:
-            # The copy lands on the head of the batch its runner built last: refuse to
+            # The copy lands on the head of the batch its backend built last: refuse to
             # run that one on these rows, loudly (MetadataBuffer.check).
             self.metadata.overwritten()
         self.index[:count_rows.shape[0]].copy_(count_rows)

@@ -47,7 +47,7 @@ class ReplayRuntime:
         self.buffers: list[torch.Tensor] | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
-        self.metadata = None  # the serving runner's MetadataBuffer (use_metadata_buffer)
+        self.metadata = None  # the serving backend's MetadataBuffer (use_metadata_buffer)
         threshold = cfg.decoder_replay_trim_threshold if cfg.cudagraph_decoder_replay else None
         # What each step's decision reads (decide.py); io_pairs grow as capture makes them.
         self.sizes = Sizes(tuple(sorted(main_sizes or [])), tuple(self.replay_sizes), frozenset(level.sizes),
@@ -68,8 +68,8 @@ class ReplayRuntime:
         return self.buffers
 
     def use_metadata_buffer(self, metadata) -> None:
-        """Served steps' replay count and rows will be at the head of ``metadata`` (a
-        runner's MetadataBuffer): the gather graphs, captured later, read them there."""
+        """Served steps' replay count and rows will be at the head of ``metadata`` (the
+        backend's MetadataBuffer): the gather graphs, captured later, read them there."""
         self.metadata = metadata
         if self.io is not None:
             self.io.adopt(metadata)
