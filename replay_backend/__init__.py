@@ -9,7 +9,8 @@ from .config import ReplayConfig
 # The Counters object (``replay_backend.counters.expect(...)``), not the module.
 from .counters import counters
 from .tracing.dynamic import mark_token_dims
-from .serving import ReplayCompiled, StepSetup, compile
+from .serving import ReplayCompiled, compile
+from .step_setup import StepSetup
 from .dispatch.decide import StepKind, StepResult
 from .tracing.boundary import replay_begin, replay_end
 from .kv_cache import CacheLayout

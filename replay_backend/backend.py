@@ -32,6 +32,7 @@ from .parallel import check_same_options, check_same_schedule
 from .passes.region import marked_window
 from .pipeline import build
 from .step_metadata import MetadataBuffer, metadata_capacity
+from .step_setup import StepSetup
 
 
 def run_dummy(model: CompiledReplayModel, setup, n: int, use_graphs: bool = True) -> None:
@@ -83,7 +84,7 @@ class ReplayBackend:
         # Calls of the compiled model through Dynamo while watched: the model's front
         # (serving.ReplayCompiled) learns from them to call it directly (dispatch/direct.py).
         self.calls = CallLog()
-        # What served steps are built from (serving.StepSetup), and the fixed device
+        # What served steps are built from (a StepSetup), and the fixed device
         # buffer their metadata goes to once serving (step_metadata.py).
         self.setup = None
         self.metadata: MetadataBuffer | None = None
@@ -245,8 +246,6 @@ class ReplayBackend:
         """Build this state's steps from ``setup`` (a ``StepSetup``): its dummy steps for
         capture and its served batches (:meth:`build_batch`). Checked against the window
         the model's markers declare, once traced. Returns it."""
-        from .serving import StepSetup
-
         if not isinstance(setup, StepSetup):
             raise TypeError(f"expected a replay_backend.StepSetup, got {type(setup).__name__}")
         self._check_window(setup, self.model.plan.window if self.compiled else None)
