@@ -30,20 +30,7 @@ def test_every_token_count_runs_on_the_one_trace_on_cuda_graphs():
     """Every step size from 1 to 64 and a lone one-token decode after each prefill, on
     CUDA graphs with Inductor pieces: one trace, no recompile, no fallback, each step
     equal to the eager model's in fp32."""
-    from test_own_models import W, check_step, served
+    from test_own_models import every_token_count
 
-    from gqa_rope import GQARope
-    from own_server import OwnServer, gqa_cache
-    from replay_backend import RequestChunk as R
-    from replay_backend import counters
-
-    model = GQARope(window=W).cuda().eval()
-    oracle = OwnServer(model, gqa_cache, max_num_seqs=64)
-    with counters.expect(strict=False, graphs_seen=1, recompiles=0, fallbacks={}):
-        server, compiled = served(model, max_num_seqs=64, compiler="inductor")
-        kinds = set()
-        for n in range(1, 65):
-            for step in ([R(n, n, n)], [R(n, 1, n + 1)]):
-                result = check_step(server, oracle, step)
-                kinds.add((result.padded_tokens, result.trimmed))
+    kinds = every_token_count("cuda")
     assert (1, False) in kinds and (64, True) in kinds

@@ -105,12 +105,11 @@ def test_one_window_op_applies_the_floor_only_where_the_replay_layers_read():
     assert (out[:25] == 0).all()
 
 
-@pytest.mark.inductor
-def test_every_token_count_and_lone_decodes_run_on_the_one_inductor_trace():
+def every_token_count(device: str = "cpu") -> set:
     """Every step size from 1 to 64 and a one-token decode after each prefill, with
-    Inductor pieces: one trace, no recompile, no fallback, every step equal to the
-    eager model's."""
-    model = GQARope(window=W).eval()
+    Inductor pieces, on ``device``: one trace, no recompile, no fallback, every step
+    equal to the eager model's. Returns the (padded size, trimmed) pairs seen."""
+    model = GQARope(window=W).to(device).eval()
     oracle = OwnServer(model, gqa_cache, max_num_seqs=64)
     with counters.expect(strict=False, graphs_seen=1, recompiles=0, fallbacks={}):
         server, compiled = served(model, max_num_seqs=64, compiler="inductor")
@@ -119,6 +118,12 @@ def test_every_token_count_and_lone_decodes_run_on_the_one_inductor_trace():
             for step in ([R(n, n, n)], [R(n, 1, n + 1)]):
                 result = check_step(server, oracle, step)
                 kinds.add((result.padded_tokens, result.trimmed))
+    return kinds
+
+
+@pytest.mark.inductor
+def test_every_token_count_and_lone_decodes_run_on_the_one_inductor_trace():
+    kinds = every_token_count()
     assert (1, False) in kinds and (64, True) in kinds and (32, True) in kinds and (16, False) in kinds
 
 

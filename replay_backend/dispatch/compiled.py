@@ -22,7 +22,7 @@ from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from ..parallel import check_same_plan
 from .agree import agree
 from .direct import GraphCall
-from .trim_op import ReplayRuntime
+from .trim_op import ReplayRuntime, pad_rows
 
 log = logging.getLogger("replay_backend")
 
@@ -202,8 +202,7 @@ class CompiledReplayModel:
         0 at position 0, whose writes go to the pad slot, as graphs pad)."""
         new = list(args)
         for i in self.token_inputs:
-            x = args[i]
-            new[i] = torch.cat([x, x.new_zeros((tp - t, *x.shape[1:]))])
+            new[i] = pad_rows(args[i], tp)
         for i in self.sym_inputs:
             new[i] = tp
         out = self.split_gm(*new)

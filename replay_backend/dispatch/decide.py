@@ -47,6 +47,18 @@ class StepResult:
         """The replay layers ran in graphs (their own, or the main graphs' when untrimmed)."""
         return self.replay_padded is not None
 
+    @property
+    def step_info(self) -> "StepInfo":
+        """The main layers' part (kind, tokens, padded tokens)."""
+        return StepInfo(self.kind.value, self.num_tokens, self.padded_tokens)
+
+    @property
+    def trim_record(self) -> "TrimRecord | None":
+        """The replay region's part, None without a region."""
+        if not self.has_region:
+            return None
+        return TrimRecord(self.trimmed, self.replay_rows, self.replay_padded, self.replay_graph, self.io_graphs)
+
     def as_dict(self) -> dict:
         return {"kind": self.kind.value, "num_tokens": self.num_tokens, "padded_tokens": self.padded_tokens,
                 "has_region": self.has_region, "trimmed": self.trimmed, "replay_rows": self.replay_rows,
@@ -107,15 +119,12 @@ class StepPlan:
 
     @property
     def step(self) -> StepInfo:
-        return StepInfo(self.kind.value, self.num_tokens, self.padded_tokens)
+        return self.result.step_info
 
     @property
     def record(self) -> TrimRecord | None:
         """What the trim op did, or None for a model without a replay region."""
-        if not self.has_region:
-            return None
-        rows = self.region_rows if self.trim else self.num_tokens
-        return TrimRecord(self.trim, rows, self.replay_padded, self.replay_padded is not None, self.io_graphs)
+        return self.result.trim_record
 
 
 def main_size(sizes: Sizes, num_tokens: int, use_graphs: bool = True) -> int | None:

@@ -24,7 +24,7 @@ from .row_moves import RowMoves
 from .trim_io import TrimIO
 
 
-def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """``x`` with zero rows appended up to ``rows`` (token 0 at position 0, as graphs pad)."""
     out = x.new_zeros((rows, *x.shape[1:]))
     out[:x.shape[0]] = x
@@ -119,7 +119,7 @@ class ReplayRuntime:
             elif bufs is None:
                 inputs = [x.index_select(0, rep.rows_t) for x in rows] if plan.trim else rows
                 if plan.trim and plan.region_padded > rep.num_rows:  # to the largest rank's rows
-                    inputs = [_padded(x, plan.region_padded) for x in inputs]
+                    inputs = [pad_rows(x, plan.region_padded) for x in inputs]
                 res = self.run_region(inputs, consts, None)
             else:
                 if plan.trim:

@@ -48,16 +48,12 @@ class StepOutput:
     @property
     def step(self) -> StepInfo | None:
         """The main layers' part of ``result`` (kind, tokens, padded tokens)."""
-        r = self.result
-        return StepInfo(r.kind.value, r.num_tokens, r.padded_tokens) if r is not None else None
+        return self.result.step_info if self.result is not None else None
 
     @property
     def trim(self) -> TrimRecord | None:
         """The replay region's part of ``result``, None without a region."""
-        r = self.result
-        if r is None or not r.has_region:
-            return None
-        return TrimRecord(r.trimmed, r.replay_rows, r.replay_padded, r.replay_graph, r.io_graphs)
+        return self.result.trim_record if self.result is not None else None
 
 
 class PromptTokens:
@@ -175,14 +171,17 @@ class StepRunner:
         """How many of the request's positions the cache holds (0 for an unknown request)."""
         return self._cached.get(req_id, 0)
 
-    def _check_context(self, requests: list[RequestChunk]) -> None:
-        """A chunk reads its request's earlier positions from the cache: they must be there."""
+    def _check_context(self, requests, built: bool = False) -> None:
+        """A chunk reads its request's earlier positions from the cache: they must be there.
+        ``built``: the requests of a batch built already, which a free() may have made stale."""
+        advice = ("(a stale batch: the request was freed since it was built?): run its earlier chunks first, then "
+                  "build it with this runner's build_batch") if built else \
+            ": run its earlier chunks first (prefill_context)"
         for i, r in enumerate(requests):
             held = self._cached.get(r.req_id, 0)
             if r.context_len > held:
-                raise ValueError(
-                    f"request {i} (req_id={r.req_id!r}): its chunk starts at position {r.context_len}, but the "
-                    f"cache holds {held} of its positions: run its earlier chunks first (prefill_context)")
+                raise ValueError(f"request {i} (req_id={r.req_id!r}): its chunk starts at position {r.context_len}, "
+                                 f"but the cache holds {held} of its positions{' ' if built else ''}{advice}")
 
     # ---- steps ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -221,7 +220,7 @@ class StepRunner:
                 "not the ones this runner gave, and running it would write over the KV of the requests this "
                 "runner holds there: build it with this runner's build_batch")
         if not batch.pad_writes:  # each request in the block this runner gave it, its context cached
-            given, cached, bases, size = self._blocks, self._cached, batch.view.cache_base, self.layout.max_model_len
+            given, bases, size = self._blocks, batch.view.cache_base, self.layout.max_model_len
             for i, r in enumerate(batch.requests):
                 held = given.get(r.req_id)
                 if held is None or held * size != bases[i]:
@@ -234,12 +233,7 @@ class StepRunner:
                         + (f", and block {block} is request {now[0]!r}'s" if now else "")
                         + ": a stale batch, or one not built for these blocks: build it with this runner's "
                           "build_batch")
-                held = cached.get(r.req_id, 0)
-                if r.context_len > held:
-                    raise ValueError(
-                        f"request {i} (req_id={r.req_id!r}): its chunk starts at position {r.context_len}, but the "
-                        f"cache holds {held} of its positions (a stale batch: the request was freed since it was "
-                        "built?): run its earlier chunks first, then build it with this runner's build_batch")
+            self._check_context(batch.requests, built=True)
         fwd = forward if forward is not None else self.forward
         if fwd is not self.compiled:
             batch.check_current()  # the compiled model checks it itself
