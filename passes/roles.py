@@ -14,6 +14,10 @@ Ops that read per-step state need no declaration here: they carry
 ``torch.Tag.cudagraph_unsafe`` (``compat_dynamo.step_dependent_tags``), and the backend
 refuses them inside captured pieces.
 
+An attention op also says which CUDA graphs it can run inside (``CudagraphSupport``):
+whether a step may be one FULL graph, attention included, instead of pieces with the
+attention ops between them.
+
 A declaration is an attribute on the op's packet, so it travels with the op and no
 registry holds state.
 """
@@ -34,7 +38,23 @@ class OpRole(enum.Enum):
     ROW_LOCAL = "row_local"
 
 
+class CudagraphSupport(enum.IntEnum):
+    """Which steps an attention op can run inside a FULL CUDA graph, ordered: the model
+    gets the lowest of its attention ops'.
+
+    * ``ALWAYS``: any batch. Inside the graph it reads only the fixed-layout device
+      metadata of ``AttnView.graph`` (``GraphFields``), never a host value of the step.
+    * ``UNIFORM_DECODE``: batches whose requests all have the same short query length
+      (``uniform_decode_query_len``).
+    * ``NEVER``: it plans on the host or launches per step: only between pieces."""
+
+    NEVER = 0
+    UNIFORM_DECODE = 1
+    ALWAYS = 2
+
+
 _ATTR = "_dsv41_replay_roles"
+_SUPPORT = "_dsv41_replay_cudagraph_support"
 
 
 def _packet(op):
@@ -57,13 +77,33 @@ def declare(op, *roles: OpRole) -> None:
     setattr(packet, _ATTR, frozenset(getattr(packet, _ATTR, frozenset())) | frozenset(roles))
 
 
-def declare_attention(*ops, kv_source: bool = False) -> None:
+def declare_attention(*ops, kv_source: bool = False, cudagraph_support=CudagraphSupport.NEVER) -> None:
     """Declare attention ops (``torch.ops.ns.name``, ``"ns::name"`` or what
     ``torch.library.custom_op`` returned): eager breaks
     between graph pieces, the default ``splitting_ops``; with ``kv_source`` they also
-    write KV that later layers read, so they must not follow the replay cut."""
+    write KV that later layers read, so they must not follow the replay cut.
+
+    ``cudagraph_support``: a :class:`CudagraphSupport`, or a callable that returns one
+    for the model's ``StepSetup`` (when it depends on the implementation the setup's
+    caches select), asked once when the graphs are captured."""
+    if not (isinstance(cudagraph_support, CudagraphSupport) or callable(cudagraph_support)):
+        raise ValueError(f"declare_attention(cudagraph_support=...) takes a CudagraphSupport or a callable of the "
+                         f"StepSetup returning one, got {cudagraph_support!r}")
     for op in ops:
         declare(op, OpRole.ATTENTION, *((OpRole.KV_SOURCE,) if kv_source else ()))
+        setattr(_packet(op), _SUPPORT, cudagraph_support)
+
+
+def cudagraph_support_of(target, setup) -> CudagraphSupport:
+    """What the attention op ``target`` declared for FULL graphs, for ``setup``
+    (``NEVER`` when it declared nothing)."""
+    target = _packet(target)
+    declared = getattr(target, _SUPPORT, CudagraphSupport.NEVER)
+    got = declared if isinstance(declared, CudagraphSupport) else declared(setup)
+    if not isinstance(got, CudagraphSupport):
+        raise ValueError(f"{op_name(target)}: its cudagraph_support callable returned {got!r}, not a "
+                         "CudagraphSupport")
+    return got
 
 
 def declare_row_local(*ops) -> None:

@@ -26,6 +26,7 @@ from .counters import counters
 from .dispatch.compiled import CompiledReplayModel
 from .batch import build_step_batch
 from .dispatch.direct import CallLog
+from .dispatch.full_policy import lowest_support, resolve
 from .forward_context import has_forward_context, set_forward_context
 from .lifecycle import Lifecycle, Phase
 from .parallel import check_same_options, check_same_schedule
@@ -139,9 +140,22 @@ class ReplayBackend:
             setup = self.use(setup)
             model = self._learned_model("capture")
             metadata = self._metadata_buffer(setup)
+            policy = self._full_policy(model, setup, metadata)
+            model.use_full_policy(policy)
+
+            def run_full(n: int) -> None:
+                batch = setup.dummy_batch(n, graph_rows=policy.rows, metadata=metadata)
+                with set_forward_context(setup.context(batch)):
+                    model.graph_call.dummy(n)
+
             with set_forward_context(setup.context(setup.dummy_batch(setup.window))):
-                summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata)
+                summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata,
+                                        run_full if policy is not None else None)
         else:
+            if self.config.full_graphs:
+                self.model.res.fallback(Fallback.CUDAGRAPH_MODE, f"cudagraph_mode={self.config.cudagraph_mode!r}: "
+                                        "capture(run_step, replay_view_for) captures no FULL graph; pass the model's "
+                                        "StepSetup to capture() for them")
             if replay_view_for is None:
                 raise TypeError("capture(run_step, replay_view_for): the replay view builder is missing")
             if not has_forward_context():
@@ -157,7 +171,7 @@ class ReplayBackend:
             log.info("dsv41_replay: capture() captured no graph: cudagraph_mode='none'")
         return summary
 
-    def _capture(self, run_step, replay_view_for, metadata) -> dict:
+    def _capture(self, run_step, replay_view_for, metadata, run_full=None) -> dict:
         life = self.lifecycle
         life.advance(Phase.CAPTURING_MAIN)
         try:
@@ -166,7 +180,7 @@ class ReplayBackend:
             # inference_mode: the static buffers made here are written in place by every
             # later step, whichever of the two that step runs under.
             with torch.no_grad():
-                summary = self.model.capture(run_step, replay_view_for, metadata)
+                summary = self.model.capture(run_step, replay_view_for, metadata, run_full)
         except BaseException:
             life.advance(Phase.WARMING)
             raise
@@ -221,10 +235,13 @@ class ReplayBackend:
         limit = self.config.max_num_batched_tokens
         if max_num_batched_tokens is not None:
             limit = min(limit, max_num_batched_tokens)
+        serving = self.lifecycle.serving
+        policy = self.model.full_policy if serving and self.compiled else None
+        requests = tuple(requests)
+        graph_rows = policy.rows if policy is not None and policy.wants_layout(requests) else None
         return build_step_batch(requests, token_ids, blocks, s.layout, s.window, s.device, limit,
-                                inputs_in_metadata=inputs_in_metadata,
-                                metadata=self.metadata if self.lifecycle.serving else None, view_fields=s.view_fields,
-                                owner=owner)
+                                inputs_in_metadata=inputs_in_metadata, metadata=self.metadata if serving else None,
+                                view_fields=s.view_fields, owner=owner, graph_rows=graph_rows)
 
     def idle_step(self) -> None:
         """A step for a data-parallel rank with no requests: a dummy step of one token
@@ -266,10 +283,23 @@ class ReplayBackend:
             raise RuntimeError(f"dsv41_replay: {what}() needs one step through the compiled model first")
         return self.model
 
+    def _full_policy(self, model: CompiledReplayModel, setup, metadata):
+        """Which steps run as FULL graphs (dispatch/full_policy.py), from the mode and
+        what the model's attention ops support for ``setup``; a downgrade is a fallback."""
+        if not model.full_sizes:
+            return None
+        support, op = lowest_support(model.attention_ops(), setup)
+        policy, why = resolve(self.config, model.full_sizes, support, op, metadata is not None)
+        if why is not None:
+            model.res.fallback(Fallback.CUDAGRAPH_MODE, why)
+        return policy
+
     def _metadata_buffer(self, setup) -> MetadataBuffer | None:
         """The fixed buffer served steps' metadata goes to, whose head the trim op's
-        gather graphs read in place; None where off or impossible (a fallback)."""
-        if self.metadata is not None or not self.config.metadata_in_place or self.model.replay is None:
+        gather graphs and the FULL graphs read in place; None where off or impossible
+        (a fallback)."""
+        needed = self.model.replay is not None or bool(self.model.full_sizes)
+        if self.metadata is not None or not self.config.metadata_in_place or not needed:
             return self.metadata
         cfg = self.config
         capacity = metadata_capacity(cfg.max_num_batched_tokens, setup.layout.num_blocks, setup.view_fields)

@@ -41,6 +41,10 @@ class AttnView:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each row writes its KV
     replay: bool = False
     trimmed: bool = False
+    # Set on the view of a step run at a padded size within its batch's graph layout
+    # (``StepBatch.graph``): the fixed-layout metadata that attention reads inside a
+    # FULL graph, where no host value of the step may be read.
+    graph: "GraphFields | None" = None
     # Derived device metadata (the model's ViewFields, e.g. attention kernel row blocks),
     # built once per step and shared by every layer, and by the whole batch's two views.
     derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -55,6 +59,53 @@ class AttnView:
         view = dataclasses.replace(self, replay=True)
         object.__setattr__(view, "derived", self.derived)
         return view
+
+
+@dataclass(frozen=True)
+class GraphFields:
+    """A view's device metadata at the fixed layout of a padded size ``rows``: the
+    same addresses and shapes in every step padded to it, so a FULL graph captured on
+    one step reads the next one's. The rows after the step's own are padding: their
+    slots are the pad slot and their per-view field entries zero (which a model's
+    field must make mean "nothing to do"). Attention inside a FULL graph reads only
+    this, never the view's host fields (``num_tokens``, ``seq_lens``, ...): those are
+    the captured step's."""
+
+    rows: int
+    slot_mapping: torch.Tensor  # [rows]
+    derived: Mapping[str, torch.Tensor]  # each ViewField at its capacity for ``rows`` tokens
+    max_model_len: int  # the longest sequence a row may belong to (the cache layout's)
+
+
+@dataclass(frozen=True)
+class GraphLayout:
+    """A batch's metadata laid out for every padded size up to ``rows`` at once: each
+    field at its capacity for ``rows`` tokens, so that the first ``p`` entries (the
+    first ``capacity(p)`` of a per-view field) are the layout of padded size ``p``."""
+
+    rows: int
+    max_requests: int  # requests a step of ``rows`` tokens may hold (capacities)
+    slot_mapping: torch.Tensor  # [rows]
+    derived: Mapping[str, torch.Tensor]  # flat, at capacity for ``rows``
+    fields: Mapping[str, "ViewField"]
+    max_model_len: int
+    _views: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def views(self, base: AttnView, size: int) -> tuple[AttnView, AttnView]:
+        """``base`` (the batch's whole view) and its replay layers' twin, at padded size
+        ``size`` with their graph fields."""
+        got = self._views.get(size)
+        if got is None:
+            if size > self.rows:
+                raise ValueError(f"padded size {size} is beyond the batch's graph layout of {self.rows} rows")
+            reqs = min(size, self.max_requests)
+            derived = {name: self.derived[name][:f.capacity(size, reqs)].view(-1, f.width)
+                       for name, f in self.fields.items()}
+            fields = GraphFields(size, self.slot_mapping[:size], derived, self.max_model_len)
+            view = dataclasses.replace(base, graph=fields)
+            object.__setattr__(view, "derived", base.derived)
+            got = self._views[size] = (view, view.for_replay_layers())
+        return got
 
 
 @dataclass(frozen=True)
@@ -96,6 +147,8 @@ class StepBatch:
     owner: object | None = field(default=None, compare=False, repr=False)
     # Every row writes its KV to the pad slot (a dummy step's): it writes no block.
     pad_writes: bool = False
+    # Its metadata also laid out for FULL graphs (``build_step_batch(graph_rows=...)``).
+    graph: GraphLayout | None = field(default=None, compare=False, repr=False)
 
     def check_current(self) -> None:
         """Raise if a later build overwrote this batch's device metadata."""
@@ -153,7 +206,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
                      window: int, device, max_num_batched_tokens: int | None = None,
                      inputs_in_metadata: bool = False, metadata: MetadataBuffer | None = None,
                      view_fields: Mapping[str, ViewField] | None = None, *, pad_writes: bool = False,
-                     owner: object | None = None) -> StepBatch:
+                     owner: object | None = None, graph_rows: int | None = None) -> StepBatch:
     """Host-built metadata for one step. ``token_ids[i]`` are request i's new tokens (a
     list of ints or a 1-D tensor) and ``blocks[i]`` its cache block.
 
@@ -172,7 +225,12 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     requests may share a block (they only read it).
 
     ``owner``: who builds it (a runner's ``build_batch`` passes the runner), carried as
-    ``StepBatch.owner`` for the owner to check that a batch it runs is its own."""
+    ``StepBatch.owner`` for the owner to check that a batch it runs is its own.
+
+    ``graph_rows``: lay the metadata out for FULL graphs of every padded size up to
+    this many tokens (``StepBatch.graph``): every field at its capacity for them, the
+    rows past the step's own padded (the pad slot, zeros), so each field has one
+    address and shape per padded size, whatever the step holds."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -209,6 +267,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     kept = rows_cpu[1:]
     ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
     last = int64_tensor([q - 1 for q in qsl[1:]])
+    t = qsl[-1]
     fields = tuple((view_fields or {}).items())
     extra = []
     for name, f in fields:
@@ -222,20 +281,41 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     # The count and rows come first: in a metadata buffer they sit at its head, where the
     # trim op's gather graph reads them (step_metadata.py).
     parts = [rows_cpu, slots, last, slots[kept], pos[kept], *extra]
-    if inputs_in_metadata:
-        count_rows, ids, pos, slots, last, rslots, rpos, *extra = aligned_fields(
-            [parts[0], ids, pos, *parts[1:]], device, metadata)
+    # A graph layout holds the inputs' places whether or not they travel there, so
+    # that its fields sit at the same offsets for every caller.
+    inputs_placed = inputs_in_metadata or graph_rows is not None
+    if inputs_placed:
+        parts[1:1] = [ids, pos]
+    lens = [x.shape[0] for x in parts]
+    grown = None
+    if graph_rows is not None:
+        grown = _GraphPadding(graph_rows, t, layout)
+        parts = grown.pad(parts, fields)
+    placed = aligned_fields(parts, device, metadata)
+    real = [x[:n] for x, n in zip(placed, lens)]
+    if inputs_placed:
+        count_rows, placed_ids, placed_pos, slots, last, rslots, rpos, *extra = real
     else:
-        count_rows, slots, last, rslots, rpos, *extra = aligned_fields(parts, device, metadata)
+        count_rows, slots, last, rslots, rpos, *extra = real
+    if inputs_in_metadata:
+        ids, pos = placed_ids, placed_pos
+    else:
         ids, pos = to_device(ids, device), to_device(pos, device)
-    view = AttnView(len(pos), tuple(qsl), seq_lens, floors, base, slots)
+    view = AttnView(t, tuple(qsl), seq_lens, floors, base, slots)
     replay_view = AttnView(len(rows), tuple(kqsl), seq_lens, floors, base, rslots, replay=True, trimmed=True)
     for k, (name, f) in enumerate(fields):
         view.derived[name] = extra[2 * k].view(-1, f.width)
         replay_view.derived[name] = extra[2 * k + 1].view(-1, f.width)
     replay = ReplayBatch(tuple(rows), count_rows[1:], count_rows, rpos, replay_view)
+    graph = None
+    if grown is not None:  # the slots and the whole view's fields, at their capacities
+        first = 3  # the slots' part
+        graph = GraphLayout(graph_rows, grown.max_requests, placed[first],
+                            {name: placed[first + 4 + 2 * k] for k, (name, _) in enumerate(fields)},
+                            dict(fields), layout.max_model_len)
     return StepBatch(requests, window, ids, pos, last, view, replay, view.for_replay_layers(), metadata,
-                     metadata.generation if metadata is not None else 0, layout, owner=owner, pad_writes=pad_writes)
+                     metadata.generation if metadata is not None else 0, layout, owner=owner, pad_writes=pad_writes,
+                     graph=graph)
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:
@@ -249,15 +329,53 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
 
 
 def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, context: int = 0,
-                     view_fields: Mapping[str, ViewField] | None = None) -> StepBatch:
+                     view_fields: Mapping[str, ViewField] | None = None, *, graph_rows: int | None = None,
+                     metadata: MetadataBuffer | None = None) -> StepBatch:
     """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most
     ``window`` tokens (so every row is a replay row), every KV write aimed at the pad
     slot. The first request's rows follow ``context`` positions, whose cache entries its
-    attention reads (whatever they hold: the outputs are thrown away)."""
+    attention reads (whatever they hold: the outputs are thrown away). ``graph_rows``
+    and ``metadata``: as ``build_step_batch``'s (a FULL graph's capture)."""
     w = min(window, layout.max_model_len - context)
     if w < 1:
         raise ValueError(f"context={context} leaves no room in max_model_len={layout.max_model_len}")
     reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s) + (context if i == 0 else 0))
             for i, s in enumerate(range(0, num_tokens, w))]
     return build_step_batch(reqs, [[0] * r.query_len for r in reqs], [0] * len(reqs), layout, window, device,
-                            view_fields=view_fields, pad_writes=True)
+                            view_fields=view_fields, pad_writes=True, graph_rows=graph_rows, metadata=metadata)
+
+
+class _GraphPadding:
+    """The rows a graph layout adds after a step's ``t`` own: token 0 at position 0,
+    writing the pad slot, as padded rows do in every graph."""
+
+    def __init__(self, rows: int, t: int, layout: CacheLayout) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < t:
+            raise ValueError(f"graph_rows={rows!r}: the graph layout must hold the step's {t} tokens")
+        self.rows, self.t, self.layout = rows, t, layout
+        self.max_requests = min(rows, layout.num_blocks)
+
+    def pad(self, parts: list[torch.Tensor], fields) -> list[torch.Tensor]:
+        """Every part at its capacity for ``rows`` tokens: the count and rows, ids,
+        positions, slots, logits indices, replay slots and positions, then two parts
+        per field (the whole view's, the kept rows'). Slots pad with the pad slot, a
+        per-row field's whole part with its values for the padding rows, the rest with
+        zeros."""
+        rows, extra = self.rows, self.rows - self.t
+        pos = torch.zeros(extra, dtype=torch.int64)
+        slots = torch.full((extra,), self.layout.pad_slot, dtype=torch.int64)
+        lead = [(1 + rows, None), (rows, None), (rows, None), (rows, slots),
+                (self.max_requests, None), (rows, slots), (rows, None)]
+        for name, f in fields:
+            cap = f.capacity(rows, self.max_requests)
+            if cap is None:
+                raise ValueError(f"a graph layout needs every ViewField bounded: {name!r} has no max_rows")
+            lead += [(cap, f.build(pos, slots, self.layout) if f.per_row else None), (cap, None)]
+        out = []
+        for x, (cap, fill) in zip(parts, lead):
+            if fill is not None:
+                x = torch.cat([x, fill])
+            if cap > x.shape[0]:
+                x = torch.cat([x, x.new_zeros(cap - x.shape[0])])
+            out.append(x)
+        return out

@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 
-CUDAGRAPH_MODES = ("piecewise", "none")
+CUDAGRAPH_MODES = ("piecewise", "none", "full", "full_decode_only", "full_and_piecewise")
+# The modes with FULL graphs (a whole step in one graph, attention included), and those
+# with piecewise ones (graph pieces between eager attention ops).
+FULL_MODES = ("full", "full_decode_only", "full_and_piecewise")
+PIECEWISE_MODES = ("piecewise", "full_and_piecewise")
 COMPILERS = ("inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Dump directory when the option is not given: turns dumps on without touching code.
@@ -121,6 +125,10 @@ class ReplayConfig:
     compiler: str = "inductor"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
+    # A uniform decode batch: every request has the same query length, at most this
+    # (1 + speculative tokens). Steps of FULL graphs under full_decode_only, or with
+    # attention that supports only those.
+    uniform_decode_query_len: int = 1
     strict: bool = False  # fallbacks raise instead of being logged and counted
     debug_check_addresses: bool = False  # check input addresses on every replay, not only the first
     debug_check_ranks: bool = False  # tensor-parallel ranks check every step's plan is the same on each
@@ -186,7 +194,8 @@ class ReplayConfig:
         # Limits: MAX_NUM_SEQS and MAX_NUM_BATCHED_TOKENS (their comments say why).
         limits = {"max_num_seqs": (MAX_NUM_SEQS, _SEQS_WHY),
                   "max_num_batched_tokens": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY),
-                  "decoder_replay_trim_threshold": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY)}
+                  "decoder_replay_trim_threshold": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY),
+                  "uniform_decode_query_len": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY)}
         for key, (hi, why) in limits.items():
             object.__setattr__(self, key, check_int(key, getattr(self, key), hi, why))
         if self.max_cudagraph_capture_size is not None:
@@ -245,11 +254,15 @@ class ReplayConfig:
         # The switches that are off, each with what that turns off.
         no_graphs = ("cudagraph_mode='none'", "every step is eager: no graph is captured") \
             if not self.graphs_enabled else None
+        no_full = (f"cudagraph_mode={self.cudagraph_mode!r}", "no FULL graph is captured") \
+            if not self.full_graphs else None
+        no_pieces = (f"cudagraph_mode={self.cudagraph_mode!r}", "no piecewise graph is captured, so no step "
+                     "trims in graphs") if self.graphs_enabled and not self.piecewise_graphs else None
         no_region = ("decoder_replay=False", "the replay layers stay in the main graph: nothing trims") \
             if not self.decoder_replay else None
         no_replay_graphs = ("cudagraph_decoder_replay=False", "no replay graph is captured and PIECEWISE "
                             "steps never trim") if not self.cudagraph_decoder_replay else None
-        replay = (no_graphs, no_region, no_replay_graphs)
+        replay = (no_graphs, no_pieces, no_region, no_replay_graphs)
         explicit_sizes = ("decoder_replay_cudagraph_capture_sizes set", "max_num_seqs only bounds the "
                           "default replay sizes") if self.decoder_replay_cudagraph_capture_sizes else None
         # option: (whether its value asks for something, the switches that deny it)
@@ -262,6 +275,7 @@ class ReplayConfig:
             "decoder_replay_trim_threshold": (True, replay),
             "trim_io_graphs": (self.trim_io_graphs, replay),
             "max_num_seqs": (True, (*replay, explicit_sizes)),
+            "uniform_decode_query_len": (True, (no_full,)),
         }
         notes = []
         for key, (asking, switches) in asks.items():
@@ -285,7 +299,32 @@ class ReplayConfig:
     # ---- derived --------------------------------------------------------------------
     @property
     def graphs_enabled(self) -> bool:
-        return self.cudagraph_mode == "piecewise"
+        return self.cudagraph_mode != "none"
+
+    @property
+    def piecewise_graphs(self) -> bool:
+        """Main graphs in pieces, attention eager between them (and replay graphs)."""
+        return self.cudagraph_mode in PIECEWISE_MODES
+
+    @property
+    def full_graphs(self) -> bool:
+        """Whole steps in one graph each, attention included, where attention allows."""
+        return self.cudagraph_mode in FULL_MODES
+
+    def full_capture_sizes(self, trims: bool) -> list[int]:
+        """The FULL graph sizes: the capture sizes whose steps never trim (below the trim
+        threshold, where ``trims``: the model has a replay region that trims in graphs),
+        and under full_decode_only only sizes a uniform decode batch of at most
+        ``max_num_seqs`` requests pads to."""
+        if not self.full_graphs:
+            return []
+        sizes = self.capture_sizes()
+        if trims:
+            sizes = [s for s in sizes if s < self.decoder_replay_trim_threshold]
+        if self.cudagraph_mode == "full_decode_only":
+            cap = padded_size(sizes, self.max_num_seqs * self.uniform_decode_query_len)
+            sizes = [s for s in sizes if cap is None or s <= cap]
+        return sizes
 
     @property
     def max_capture_size(self) -> int:
@@ -311,7 +350,7 @@ class ReplayConfig:
                 f"the sliding window W={window} (smaller graphs have nothing to trim)")
 
     def replay_capture_sizes(self, window: int) -> list[int]:
-        if not (self.graphs_enabled and self.cudagraph_decoder_replay and self.decoder_replay):
+        if not (self.piecewise_graphs and self.cudagraph_decoder_replay and self.decoder_replay):
             return []
         if self.decoder_replay_cudagraph_capture_sizes:
             return list(self.decoder_replay_cudagraph_capture_sizes)

@@ -32,6 +32,7 @@ class Fallback(str, enum.Enum):
     PER_CALL_STATE = "per_call_state"  # the backend was called outside torch.compile's wrapper
     ROW_MOVES_KERNEL = "row_moves_kernel"  # the trim op's gathers run as torch ops, not the kernel
     TRITON_LAUNCH_LAYOUT = "triton_launch_layout"  # kernels launch through Triton's own path
+    CUDAGRAPH_MODE = "cudagraph_mode"  # fewer FULL graphs than the mode asks: the attention cannot run in them
 
 
 class StrictFallbackError(RuntimeError):

@@ -26,6 +26,10 @@ class ForwardContext:
     # Metadata the attention ops read now: the whole batch, or the replay batch while
     # the replay region runs on it.
     active: "AttnView" = None  # type: ignore[assignment]
+    # The whole batch as the replay layers read it when they run on every row: the
+    # batch's ``region_view``, or in a step run within the batch's graph layout its
+    # twin with the graph fields (``use_views``).
+    region_view: "AttnView" = None  # type: ignore[assignment]
     # False: the compiled backend runs this step with no graph (no padding, no capture,
     # the replay region directly): the first step, before capture, and memory probes.
     use_graphs: bool = True
@@ -51,12 +55,19 @@ class ForwardContext:
             raise ValueError(f"eager_replay must be 'off' or 'parent', got {self.eager_replay!r}")
         if self.active is None:
             self.active = self.batch.view
+        if self.region_view is None:
+            self.region_view = self.batch.region_view
 
     @property
     def result(self):
         """What the compiled model did in this context's step (a ``StepResult``), or
         None before it ran (or when the model ran uncompiled)."""
         return self.plan.result if self.plan is not None else None
+
+    def use_views(self, view: "AttnView", region_view: "AttnView") -> None:
+        """The whole batch's views for this step: what attention reads before and after
+        the replay region, and what the replay layers read when they run on every row."""
+        self.active, self.region_view = view, region_view
 
     def point_at(self, view: "AttnView", graph_size: int | None = None) -> "AttnView":
         """Point attention at ``view`` (planned first, see ``prepare_view``); returns the

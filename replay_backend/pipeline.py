@@ -87,7 +87,10 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     # unless the options name the splitting ops.
     splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)
     region, off_reason = _find_region(gm, cfg, splitting, res)
-    main_sizes = _main_sizes(gm, cfg, splitting, res) if graphs else []
+    graph_sizes = _main_sizes(gm, cfg, splitting, res) if graphs else []
+    main_sizes = graph_sizes if cfg.piecewise_graphs else []
+    # FULL graph sizes: those of the capture sizes whose steps never trim.
+    full_sizes = [s for s in cfg.full_capture_sizes(region is not None) if s in graph_sizes]
     main_level = GraphLevel("main", main_sizes)
     split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None,
                                      _left_in_main(gm) if region is None else frozenset())
@@ -106,7 +109,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
     return CompiledReplayModel(split, cfg, plan, main_level, parts.runtime if parts else None, traced.token_inputs,
                                traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir,
-                               dp_group=dp_group)
+                               dp_group=dp_group, full_sizes=full_sizes)
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:

@@ -58,9 +58,10 @@ class StepSetup:
             self.prepare_view(batch.view, None)
         return ForwardContext(batch, self.kv, prepare_view=self.prepare_view, **kw)
 
-    def dummy_batch(self, num_tokens: int, context: int = 0) -> StepBatch:
-        """A batch of ``num_tokens`` rows whose KV writes all go to the pad slot."""
-        return dummy_step_batch(num_tokens, self.layout, self.window, self.device, context, self.view_fields)
+    def dummy_batch(self, num_tokens: int, context: int = 0, **kw) -> StepBatch:
+        """A batch of ``num_tokens`` rows whose KV writes all go to the pad slot; ``kw``:
+        ``graph_rows`` and ``metadata``, as ``build_step_batch``'s."""
+        return dummy_step_batch(num_tokens, self.layout, self.window, self.device, context, self.view_fields, **kw)
 
     def replay_view(self, num_rows: int) -> AttnView:
         """The replay layers' view of ``num_rows`` dummy replay rows."""

@@ -86,7 +86,7 @@ BAD_OPTIONS = [
     ({"decoder_replay_cudagraph_capture_sizes": [0]}, "decoder_replay_cudagraph_capture_sizes"),
     ({"decoder_replay_cudagraph_capture_sizes": [128, 4096], "max_num_batched_tokens": 2048},
      "decoder_replay_cudagraph_capture_sizes"),
-    ({"cudagraph_mode": "full"}, "cudagraph_mode"),
+    ({"cudagraph_mode": "fully"}, "cudagraph_mode"),
     ({"cudagraph_mode": None}, "cudagraph_mode"),
     ({"compiler": "aot_eager"}, "compiler"),
     ({"cudagraph_decoder_replay": "yes"}, "cudagraph_decoder_replay"),
@@ -479,7 +479,7 @@ def test_compile_with_unknown_option_raises_naming_it():
 
 def test_compile_with_bad_value_raises_naming_it():
     m = _tiny_module()
-    compiled = torch.compile(m, backend="dsv41_replay", options={"cudagraph_mode": "full"})
+    compiled = torch.compile(m, backend="dsv41_replay", options={"cudagraph_mode": "fully"})
     with pytest.raises(Exception, match="cudagraph_mode"), torch.no_grad():
         compiled(torch.randn(3, 4))
 

@@ -193,17 +193,21 @@ def test_groups_of_one_rank_run_their_collectives_too(how):
 
 
 def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
-    """One all-reduce (max) of four numbers: no graphs if any rank has none, the largest
-    token count and replay rows, trimming if any rank has rows to trim."""
+    """One all-reduce (max) of five numbers: no graphs if any rank has none, the largest
+    token count and replay rows, trimming if any rank has rows to trim, no FULL graph
+    if any rank's batch cannot take one."""
     from replay_backend.dispatch import agree as agree_mod
 
     sent = []
+    other = [torch.tensor([0, 90, 1, 40, 0])]  # graphs, 90 tokens, trimmable, 40 rows, FULL possible
 
-    def fake_all_reduce(t, op, group):  # the other rank: graphs, 90 tokens, trimmable, 40 rows
+    def fake_all_reduce(t, op, group):
         sent.append(t.tolist())
-        t.copy_(torch.maximum(t, torch.tensor([0, 90, 1, 40])))
+        t.copy_(torch.maximum(t, other[0]))
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
-    got = agree_mod.agree(object(), True, 20, False, 20)
-    assert got == agree_mod.Agreement(True, 90, True, 40) and sent == [[0, 20, 0, 20]]
-    assert agree_mod.agree(object(), False, 100, False, 60) == agree_mod.Agreement(False, 100, True, 60)
+    got = agree_mod.agree(object(), True, 20, False, 20, True)
+    assert got == agree_mod.Agreement(True, 90, True, 40, True) and sent == [[0, 20, 0, 20, 0]]
+    assert agree_mod.agree(object(), False, 100, False, 60) == agree_mod.Agreement(False, 100, True, 60, False)
+    other[0] = torch.tensor([0, 4, 0, 4, 1])  # the other rank's batch cannot run FULL
+    assert agree_mod.agree(object(), True, 2, False, 2, True) == agree_mod.Agreement(True, 4, False, 4, False)

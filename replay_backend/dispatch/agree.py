@@ -3,8 +3,8 @@
 The ranks of a data-parallel group run batches of their own, yet their steps must
 meet: a collective inside a captured piece (an expert-parallel MoE's token exchange)
 needs every rank in the same graph at the same size, and in the replay region at the
-same replay size. So before each step every rank offers four numbers and all take the
-maximum of each (one all-reduce of four integers):
+same replay size. So before each step every rank offers five numbers and all take the
+maximum of each (one all-reduce of five integers):
 
 * whether it must run without graphs (a warm-up step): then no rank uses graphs;
 * its token count: every rank pads its main layers to the size that fits the largest
@@ -14,7 +14,10 @@ maximum of each (one all-reduce of four integers):
   graphs one rank's trimming makes every rank trim (a rank with nothing to trim runs
   all its rows as replay rows);
 * its replay rows: every rank pads its replay rows to the size that fits the largest
-  rank's.
+  rank's;
+* whether its batch cannot run as one FULL graph (not laid out for one, or not a
+  uniform decode where attention needs that): then no rank runs FULL, every rank
+  takes the PIECEWISE graphs at the agreed size.
 
 From these every rank derives the same decision (decide.plan_step). An idle rank
 takes part through a dummy step of one token, padded to the agreed size. The group is
@@ -36,13 +39,14 @@ class Agreement:
     tokens: int  # the largest rank's token count
     trimmable: bool  # some rank has a prefill longer than the window
     replay_rows: int  # the largest rank's replay rows
+    full: bool = True  # every rank's batch may run as one FULL graph
 
 
-def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int) -> Agreement:
+def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, full: bool = False) -> Agreement:
     """All-reduce (max) this rank's offer over ``group``; returns what every rank takes."""
     import torch.distributed as dist
 
-    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows], dtype=torch.int64)
+    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows, int(not full)], dtype=torch.int64)
     dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=group)
-    no_graphs, tokens, trimmable, rows = offer.tolist()
-    return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows))
+    no_graphs, tokens, trimmable, rows, no_full = offer.tolist()
+    return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full)

@@ -18,6 +18,7 @@ from ..config import ReplayConfig
 from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
 from .decide import Sizes, StepKind, StepPlan, plan_step
+from ..capture.full import FullGraphs
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from ..parallel import check_same_plan
 from .agree import agree
@@ -41,7 +42,7 @@ class CompiledReplayModel:
     def __init__(self, split_gm: fx.GraphModule, cfg: ReplayConfig, plan, main_level: GraphLevel,
                  replay: ReplayRuntime | None, token_inputs: list[int], sym_inputs: list[int],
                  res: GraphResources, calls=None, sources=None, dump_dir: str | None = None,
-                 dp_group=None) -> None:
+                 dp_group=None, full_sizes: list[int] | None = None) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
         self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
@@ -50,6 +51,11 @@ class CompiledReplayModel:
         # What a model without a replay region decides steps by (with one, the region's
         # runtime holds the full record).
         self.sizes = Sizes(main=tuple(main_level.sizes))
+        # FULL graphs (capture/full.py) and what decides which steps take them, set when
+        # capture resolves the attention's support (full_policy.py); None: no FULL step.
+        self.full = FullGraphs(res)
+        self.full_sizes = sorted(full_sizes or [])  # the mode's, before the attention's support is known
+        self.full_policy = None
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
         # 0-dim tensor arguments other than parameters: Python numbers Dynamo passes as
@@ -60,7 +66,7 @@ class CompiledReplayModel:
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).
-        self.dispatch: dict[str, Counter] = {"main": Counter(), "replay": Counter()}
+        self.dispatch: dict[str, Counter] = {"main": Counter(), "replay": Counter(), "full": Counter()}
         self.capture_summary: dict = {}
         self.sources, self.dump_dir = sources, dump_dir
         self.calls = calls  # the backend's CallLog (direct.py): calls through Dynamo to learn from
@@ -125,7 +131,9 @@ class CompiledReplayModel:
             self.res.lifecycle.phase_note("steps run after capture() without start_serving(): a recompile is not an "
                                           "error yet, and a size without a graph is captured in the step; call "
                                           "start_serving() once warm-up is over")
-        if plan is not None:
+        if plan is not None and plan.kind is StepKind.FULL:
+            self.dispatch["full"][plan.padded_tokens] += 1
+        elif plan is not None:
             self.dispatch["main"][plan.padded_tokens if plan.kind is StepKind.PIECEWISE else "eager"] += 1
             if plan.has_region:
                 self.dispatch["replay"][plan.replay_padded if plan.replay_padded is not None else "eager"] += 1
@@ -138,15 +146,16 @@ class CompiledReplayModel:
         the data-parallel ranks (agree.py); while the main graphs are captured every rank
         captures the same size, and nothing needs agreeing."""
         use_graphs = ctx is None or ctx.use_graphs
+        batch = ctx.batch if ctx is not None else None
+        full = self.full_policy is not None and batch is not None and self.full_policy.admits(batch)
         agreement = None
         if self.dp_group is not None and not self.res.lifecycle.capturing_main:
-            batch = ctx.batch if ctx is not None else None
             agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
-                              batch.replay.num_rows if batch is not None else num_tokens)
+                              batch.replay.num_rows if batch is not None else num_tokens, full)
         if self.replay is not None and ctx is not None:
-            plan = self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement)
+            plan = self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement, full)
         else:
-            plan = plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs, agreement=agreement)
+            plan = plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs, agreement=agreement, full=full)
         if self.tp_group is not None:
             check_same_plan(plan, self.tp_group)
         return plan
@@ -164,6 +173,39 @@ class CompiledReplayModel:
         if plan.kind is StepKind.EAGER:  # padded to the largest data-parallel rank's tokens
             return self._eager_padded(args, t, plan.padded_tokens), plan
         tp = plan.padded_tokens
+        new = self._padded(args, t, tp)
+        graph = ctx.batch.graph if ctx is not None else None
+        if graph is None or tp > graph.rows:
+            out = self._run_at(tp, new, plan)
+        else:
+            # Attention reads the batch's graph layout at this size, in a FULL step and
+            # in pieces alike: one computation, whichever graphs run it.
+            ctx.use_views(*graph.views(ctx.batch.view, tp))
+            try:
+                out = self._run_at(tp, new, plan, ctx)
+            finally:
+                ctx.use_views(ctx.batch.view, ctx.batch.region_view)
+        # The outputs live in graph memory that the next step overwrites.
+        return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), plan
+
+    def _run_at(self, tp: int, new: list, plan: StepPlan, ctx=None) -> tuple:
+        """The step at ``tp`` padded tokens: its FULL graph, or the pieces' graphs."""
+        if plan.kind is StepKind.FULL:
+            if ctx.prepare_view is not None:  # the model's host planning, before the graph reads it
+                ctx.prepare_view(ctx.active, tp)
+                if self.replay is not None:
+                    ctx.prepare_view(ctx.region_view, tp)
+            return self.full.run(tp, lambda: self._pieces_at(None, new), ctx,
+                                 lambda: self._pieces_at(tp if tp in self.main_level.sizes else None, new))
+        return self._pieces_at(tp, new)
+
+    def _pieces_at(self, size: int | None, new: list) -> tuple:
+        with self.main_level.at(size):
+            return self.split_gm(*new)
+
+    def _padded(self, args, t: int, tp: int) -> list:
+        """The step's arguments with its token inputs in the fixed buffers, padded to
+        ``tp`` rows, and its fixed scalars."""
         new = list(args)
         for i in self.token_inputs:
             x = args[i]
@@ -171,8 +213,8 @@ class CompiledReplayModel:
                 raise ValueError(f"input {i} has {x.shape[0]} rows, expected the token count {t}")
             buf = self.buffers.get(i)
             if buf is None:
-                buf = self.buffers[i] = torch.zeros((max(self.main_level.sizes), *x.shape[1:]),
-                                                    dtype=x.dtype, device=x.device)
+                most = max((*self.main_level.sizes, *self.full_sizes))
+                buf = self.buffers[i] = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
                 self._written[i] = 0
             buf[:t].copy_(x)
             # Padded rows must be zero (token 0 at position 0, whose writes go to the pad
@@ -192,10 +234,7 @@ class CompiledReplayModel:
             else:
                 fixed.copy_(args[i])
             new[i] = fixed
-        with self.main_level.at(tp):
-            out = self.split_gm(*new)
-        # The outputs live in graph memory that the next step overwrites.
-        return tuple(o[:t].clone() if isinstance(o, torch.Tensor) else o for o in out), plan
+        return new
 
     def _eager_padded(self, args, t: int, tp: int) -> tuple:
         """A step without graphs on ``tp`` rows, ``t`` of them real: zero rows appended (token
@@ -218,9 +257,26 @@ class CompiledReplayModel:
 
         return estimate_graph_memory(self, run_step_without_graphs, replay_view_for)
 
-    def capture(self, run_main_step, replay_view_for, metadata=None) -> dict:
-        """Capture every main size, then every replay size, largest first, while
-        the backend's phase is capturing (``ReplayBackend.capture`` moves it).
+    def attention_ops(self) -> list[str]:
+        """The attention ops the step runs (``namespace::name``), once each."""
+        return list(dict.fromkeys(p.op for p in (*self.plan.main_pieces, *self.plan.replay_pieces)
+                                  if p.kind == "attention" and p.op))
+
+    def use_full_policy(self, policy) -> None:
+        """Which steps run as FULL graphs from now on (full_policy.py; None: none)."""
+        import dataclasses
+
+        self.full_policy = policy
+        full = policy.sizes if policy is not None else ()
+        self.sizes = dataclasses.replace(self.sizes, full=full)
+        if self.replay is not None:
+            self.replay.sizes = dataclasses.replace(self.replay.sizes, full=full)
+
+    def capture(self, run_main_step, replay_view_for, metadata=None, run_full_step=None) -> dict:
+        """Capture every FULL size, then every main size, then every replay size, each
+        largest first, while the backend's phase is capturing (``ReplayBackend.capture``
+        moves it). ``run_full_step(n)``: one dummy step of ``n`` tokens laid out for
+        FULL graphs (with a FULL policy set: ``use_full_policy``).
 
         ``run_main_step(n)`` runs one dummy step of ``n`` tokens through the compiled
         model (the runner knows how to build one); ``replay_view_for(n)`` builds a dummy
@@ -238,6 +294,8 @@ class CompiledReplayModel:
         fresh = not any(r.graphs for level in ("main", "replay") for r in self.runners(level))
         self.res.weak_outputs = self.res.use_cuda and fresh and compat_graphs.has_non_owning_alias()
         stages = [("main", self.main_level.sizes, run_main_step)]
+        if self.full_policy is not None and run_full_step is not None:
+            stages.insert(0, ("full", list(self.full_policy.sizes), run_full_step))
         if self.replay is not None and self.replay.level.sizes:
             stages.append(("replay", self.replay.level.sizes, self.replay.capture))
         try:
@@ -248,13 +306,13 @@ class CompiledReplayModel:
                 t0 = time.perf_counter()
                 io_graphs = 0
                 for n in _progress(sorted(sizes, reverse=True), name):
-                    if name == "main":
-                        fn(n)
-                    else:
+                    if name == "replay":
                         io_graphs += fn(n, replay_view_for(n))
+                    else:
+                        fn(n)
                 secs = time.perf_counter() - t0
                 gib = max(0.0, (free0 - _gpu_free()) / 2 ** 30)
-                graphs = sum(len(r.graphs) for r in self.runners(name))
+                graphs = len(self.full.graphs) if name == "full" else sum(len(r.graphs) for r in self.runners(name))
                 summary[name] = {"sizes": len(sizes), "graphs": graphs, "seconds": secs, "gib": gib}
                 if name == "replay":
                     summary[name]["trim_io_graphs"] = io_graphs

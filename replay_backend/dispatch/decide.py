@@ -17,7 +17,8 @@ from .agree import Agreement
 
 
 class StepKind(str, enum.Enum):
-    PIECEWISE = "piecewise"  # main layers in graphs at a padded size
+    FULL = "full"  # the whole step, attention included, in one graph at a padded size
+    PIECEWISE = "piecewise"  # main layers in graph pieces at a padded size, attention between them
     EAGER = "eager"  # main layers without graphs: above the largest size, or graphs off
 
 
@@ -25,8 +26,9 @@ class StepKind(str, enum.Enum):
 class StepResult:
     """What one step of a compiled model did: its plan, decided before it ran.
 
-    ``kind`` says how the main layers ran: in PIECEWISE graphs at ``padded_tokens``, or
-    eagerly (``padded_tokens == num_tokens``). The replay fields describe the replay
+    ``kind`` says how the main layers ran: in one FULL graph or in PIECEWISE graphs at
+    ``padded_tokens``, or eagerly (``padded_tokens == num_tokens``). In a FULL step the
+    replay layers ran inside that graph, on every row. The replay fields describe the replay
     layers where the model has a replay region in use (``has_region``): ``trimmed``
     when they ran on the replay rows only, ``replay_rows`` the rows they ran on before
     padding (the step's tokens when not trimmed), ``replay_padded`` the graph size they
@@ -69,7 +71,7 @@ class StepResult:
 class StepInfo(NamedTuple):
     """The main layers' part of a plan (``StepOutput.step``)."""
 
-    kind: str  # "piecewise" | "eager"
+    kind: str  # "full" | "piecewise" | "eager"
     num_tokens: int
     padded_tokens: int
 
@@ -94,6 +96,7 @@ class Sizes:
     trim_threshold: int | None = None  # graphed steps padded to this or more trim; None: never
     io_pairs: frozenset[tuple[int, int]] = frozenset()  # (main, replay) sizes with gather/scatter graphs
     has_region: bool = False  # a replay region exists (the trim op is in the graph)
+    full: tuple[int, ...] = ()  # sizes with a FULL graph captured (none of them trims)
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,15 @@ class StepPlan:
     def result(self) -> StepResult:
         """The plan as the public record of what the step did."""
         rows = self.region_rows if self.trim else self.num_tokens
+        # In a FULL step the region runs directly inside the step's one graph.
+        replay = self.padded_tokens if self.kind is StepKind.FULL else self.replay_padded
         return StepResult(self.kind, self.num_tokens, self.padded_tokens, self.has_region, self.trim, rows,
-                          self.replay_padded if self.has_region else None, self.io_graphs)
+                          replay if self.has_region else None, self.io_graphs)
+
+    @property
+    def graphed(self) -> bool:
+        """The main layers run at a padded size (FULL or PIECEWISE)."""
+        return self.kind is not StepKind.EAGER
 
     @property
     def step(self) -> StepInfo:
@@ -142,18 +152,25 @@ def wants_trim(sizes: Sizes, padded: int | None, trimmable: bool) -> bool:
 
 
 def plan_step(sizes: Sizes, num_tokens: int, replay_rows: int, trimmable: bool, *, use_graphs: bool = True,
-              region_graphs: bool = True, agreement: Agreement | None = None) -> StepPlan:
+              region_graphs: bool = True, agreement: Agreement | None = None, full: bool = False) -> StepPlan:
     """How a step of ``num_tokens`` with ``replay_rows`` replay rows runs.
 
     ``use_graphs`` false: no graph at all (warm-up and memory probes). ``region_graphs``
     false: the region runs without graphs (while the main graphs are captured).
     ``agreement``: what the data-parallel ranks agreed (agree.py): every rank pads to
-    the largest rank's tokens and replay rows, and trims where the agreed step trims."""
+    the largest rank's tokens and replay rows, and trims where the agreed step trims.
+    ``full``: the step's batch may run as one FULL graph (laid out for it, and a batch
+    its attention takes inside one); it does where a FULL size fits."""
     rows_max = replay_rows
     if agreement is not None:
         use_graphs, trimmable = use_graphs and agreement.graphs, agreement.trimmable
         rows_max = max(replay_rows, agreement.replay_rows)
+        full = full and agreement.full
     tokens = num_tokens if agreement is None else max(num_tokens, agreement.tokens)
+    if full and use_graphs and sizes.full:
+        padded = padded_size(sizes.full, tokens)
+        if padded is not None:  # FULL sizes never trim: the region runs on every row
+            return StepPlan(StepKind.FULL, num_tokens, padded, False, padded, None, False, sizes.has_region, padded)
     padded = main_size(sizes, tokens, use_graphs)
     trim = wants_trim(sizes, padded, trimmable) if sizes.has_region else False
     kind = StepKind.PIECEWISE if padded is not None else StepKind.EAGER

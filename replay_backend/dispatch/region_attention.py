@@ -23,7 +23,7 @@ class RegionAttention(nn.Module):
 
     def forward(self, *args):
         ctx = get_forward_context()
-        saved = ctx.point_at(ctx.batch.region_view)
+        saved = ctx.point_at(ctx.region_view)
         try:
             return self.piece(*args)
         finally:

@@ -89,11 +89,11 @@ class ReplayRuntime:
         finally:
             self._region_s += time.perf_counter() - t0
 
-    def plan(self, batch, num_tokens: int, use_graphs: bool = True, agreement=None) -> StepPlan:
+    def plan(self, batch, num_tokens: int, use_graphs: bool = True, agreement=None, full: bool = False) -> StepPlan:
         """The step's one decision (decide.py), with what the data-parallel ranks agreed."""
         capturing_main = self.res.lifecycle.capturing_main  # the region runs without graphs meanwhile
         return plan_step(self.sizes, num_tokens, batch.replay.num_rows, batch.has_trimmable_rows,
-                         use_graphs=use_graphs, region_graphs=not capturing_main, agreement=agreement)
+                         use_graphs=use_graphs, region_graphs=not capturing_main, agreement=agreement, full=full)
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Execute the step's plan: gather, run the region, scatter."""
@@ -110,7 +110,7 @@ class ReplayRuntime:
         if self.io is not None and plan.kind is StepKind.PIECEWISE and self.res.lifecycle.capturing_main:
             self.io.remember(plan.padded_tokens, rows, outs)
         bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
-        with ctx.activate(rep.view if plan.trim else batch.region_view, size):
+        with ctx.activate(rep.view if plan.trim else ctx.region_view, size):
             if plan.io_graphs:
                 if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
                     self.io.stage(rep.count_rows)

@@ -18,7 +18,7 @@ from ..compat import dynamo as compat_dynamo
 from ..batch import ViewField, int64_tensor
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
-from ..passes.roles import declare_attention
+from ..passes.roles import CudagraphSupport, declare_attention
 from ..step_metadata import to_device
 from . import attention_flashinfer, attention_triton
 from . import cache_triton
@@ -113,11 +113,9 @@ def _attend_request(q: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | Non
 
 
 def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w: torch.Tensor,
-              view, caches, eps: float) -> None:
-    """KV-source compressor: write this step's global entries."""
-    n = view.num_tokens
+              n: int, slots: torch.Tensor, comp_slots: torch.Tensor, caches, eps: float) -> None:
+    """KV-source compressor: write the global entries of the step's ``n`` rows."""
     glob = caches.glob[layer]
-    slots = view.slot_mapping
     if gate is None:  # ratio 1: norm(w x) per token
         glob.index_copy_(0, slots, rms_norm(kv_c[:n], norm_w, eps).to(glob.dtype))
         return
@@ -130,7 +128,7 @@ def _compress(layer: int, kv_c: torch.Tensor, gate: torch.Tensor | None, norm_w:
     hd = kv_c.shape[-1]
     weights = torch.softmax(pair[..., hd:], dim=1)
     pooled = (weights * pair[..., :hd]).sum(1)
-    glob.index_copy_(0, view.derived[COMP_SLOTS].view(-1), rms_norm(pooled, norm_w, eps).to(glob.dtype))
+    glob.index_copy_(0, comp_slots, rms_norm(pooled, norm_w, eps).to(glob.dtype))
 
 
 def _use_triton(impl: str, device: torch.device) -> bool:
@@ -155,10 +153,21 @@ def effective_attention(impl: str, device) -> str:
 
 def view_fields(impl: str, device) -> dict:
     """The metadata a runner builds with each batch for ``impl`` on ``device``: the
-    compressed slots, and the Triton kernel's row blocks where it attends. Building
-    blocks no kernel reads costs a FlashInfer or reference step host time before its
-    first kernel, growing with its rows."""
-    return VIEW_FIELDS if effective_attention(impl, device) == "triton" else COMP_FIELD
+    compressed slots, and the row blocks that the Triton kernel reads, and the reference
+    attention inside FULL graphs. FlashInfer plans its own, and building blocks it never
+    reads would cost each step host time before its first kernel, growing with its rows."""
+    return COMP_FIELD if effective_attention(impl, device) == "flashinfer" else VIEW_FIELDS
+
+
+def cudagraph_support(setup) -> CudagraphSupport:
+    """What these ops can run inside a FULL graph for ``setup``: any batch where its
+    views carry the row blocks (the Triton kernel and the reference attention read
+    only the graph layout's device metadata there); never with FlashInfer, which
+    plans each step on the host."""
+    impl = getattr(getattr(setup.kv, "cfg", None), "attention_impl", None)
+    if impl == "flashinfer" or ATTN_BLOCKS not in setup.view_fields:
+        return CudagraphSupport.NEVER
+    return CudagraphSupport.ALWAYS
 
 
 def split_warmup_seq_len(cfg, max_model_len: int, device) -> int:
@@ -186,6 +195,9 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     ctx = get_forward_context()
     view, caches = ctx.active, ctx.kv
     cfg = caches.cfg
+    if view.graph is not None:
+        _graph_attention(layer, q, kv, sink, out, compress, view, caches)
+        return
     n = view.num_tokens
     if q.shape[0] < n:
         raise RuntimeError(f"layer {layer}: attention got {q.shape[0]} rows for {n} tokens")
@@ -202,7 +214,7 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     else:
         swa.index_copy_(0, view.slot_mapping, kv[:n].to(swa.dtype))
         if compress is not None:
-            _compress(layer, *compress, view, caches, cfg.rms_eps)
+            _compress(layer, *compress, n, view.slot_mapping, view.derived[COMP_SLOTS].view(-1), caches, cfg.rms_eps)
     src = cfg.global_source(layer)
     glob = caches.glob[src] if src is not None else None
     ratio = cfg.compress_ratio(src) if src is not None else 1
@@ -244,6 +256,80 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
         out[n:] = 0  # padded rows: deterministic, never read
 
 
+def _graph_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
+                     compress, view, caches) -> None:
+    """Attention that a FULL graph can hold: every row of the graph layout, read from
+    its fixed device metadata only (``view.graph``), with one grid and one split for
+    every step of its size. Padding rows write the pad slot and attend to nothing
+    (zeros). Pieces run it too for a batch laid out so, whose steps then compute alike
+    in a FULL graph and in pieces."""
+    cfg = caches.cfg
+    g = view.graph
+    if compress is not None and view.replay:
+        raise RuntimeError(f"layer {layer} is a KV source and cannot run in the replay region")
+    swa = caches.swa[layer]
+    comp_slots = g.derived[COMP_SLOTS].view(-1)
+    if _use_triton(cfg.attention_impl, q.device):
+        if compress is not None:
+            kv_c, gate, norm_w = compress
+            compress = (kv_c, gate, norm_w, caches.raw.get(layer), caches.glob[layer], comp_slots, cfg.rms_eps)
+        cache_triton.write(kv, swa, g.slot_mapping, g.rows, compress)
+    else:
+        swa.index_copy_(0, g.slot_mapping, kv[:g.rows].to(swa.dtype))
+        if compress is not None:
+            _compress(layer, *compress, g.rows, g.slot_mapping, comp_slots, caches, cfg.rms_eps)
+    src = cfg.global_source(layer)
+    glob = caches.glob[src] if src is not None else None
+    ratio = cfg.compress_ratio(src) if src is not None else 1
+    scale = q.shape[-1] ** -0.5
+    blocks = g.derived[ATTN_BLOCKS]
+    out.zero_()  # the padding rows, which no block covers
+    if _use_triton(cfg.attention_impl, q.device):
+        attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, view.replay, sink, scale,
+                                g.max_model_len if cfg.attention_split else 0)
+    else:
+        attend_blocks(q, out, swa, glob, ratio, blocks, cfg.window, view.replay, sink, scale, g.max_model_len)
+
+
+def attend_blocks(q, out, swa, glob, ratio: int, blocks, window: int, floored: bool, sink, scale: float,
+                  max_model_len: int) -> None:
+    """The reference attention over row blocks (``attention_triton.row_blocks``), in
+    fixed shapes: each row's SWA keys and every global entry a sequence may have,
+    masked to the row's own. For FULL graphs on any device; memory grows with rows
+    times ``window + max_model_len / ratio``."""
+    rows, dev = q.shape[0], q.device
+    off = torch.arange(attention_triton.BLOCK_M, device=dev)
+    covered = off[None, :] < blocks[:, 1:2]
+    # Each block's rows scattered to their own index; rows no block covers go to a
+    # spare last index, dropped.
+    index = torch.where(covered, blocks[:, 0:1] + off, rows).reshape(-1)
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        dst = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
+        return dst.scatter_(0, index, values.expand_as(covered).reshape(-1))[:rows]
+
+    pos, base = per_row(blocks[:, 2:3] + off), per_row(blocks[:, 3:4])
+    floor = per_row(blocks[:, 4:5]) if floored else torch.zeros_like(pos)
+    real = per_row(covered.long()).bool()
+    kp = pos[:, None] - window + 1 + torch.arange(window, device=dev)
+    ok = (kp >= 0) & (kp >= floor[:, None]) & real[:, None]
+    keys = swa[base[:, None] + kp.clamp(min=0)]
+    if glob is not None:
+        m = torch.arange(max_model_len // ratio, device=dev)
+        gok = (m[None, :] < ((pos + 1) // ratio)[:, None]) & real[:, None]
+        gidx = (base // ratio)[:, None] + m
+        keys = torch.cat([glob[gidx.clamp(max=glob.shape[0] - 1)], keys], dim=1)
+        ok = torch.cat([gok, ok], dim=1)
+    kf = keys.float()
+    s = torch.einsum("rhd,rkd->hrk", q[:rows].float(), kf) * scale
+    s = s.masked_fill(~ok[None], float("-inf"))
+    mx = torch.maximum(s.amax(-1), sink.float()[:, None])
+    e = torch.exp(s - mx[..., None])
+    denom = e.sum(-1) + torch.exp(sink.float()[:, None] - mx)
+    o = torch.einsum("hrk,rkd->rhd", e, kf) / denom.transpose(0, 1)[..., None]
+    out[:rows] = torch.where(real[:, None, None], o, 0.0).to(out.dtype)
+
+
 def _swa_attention(q, kv, sink, out, layer: int) -> None:
     """Layers below the first KV source: own sliding-window KV only."""
     _run_attention(layer, q, kv, sink, out)
@@ -276,5 +362,6 @@ ATTENTION_OPS = (
     "dsv41::global_attention",
     "dsv41::source_attention",
 )
-declare_attention(swa_attention, global_attention)
-declare_attention(source_attention, kv_source=True)  # its compressor writes the global KV
+declare_attention(swa_attention, global_attention, cudagraph_support=cudagraph_support)
+# Its compressor writes the global KV.
+declare_attention(source_attention, kv_source=True, cudagraph_support=cudagraph_support)

@@ -1,0 +1,110 @@
+"""FULL graphs: a whole step at one padded size in one graph, attention included.
+
+A FULL step runs no host code of the model: the graph replays the kernels of the step
+it was captured on, attention's among them. What it reads must therefore sit where it
+sat at capture, with the same shapes: the token inputs in the compiled model's buffers,
+and the step's metadata in the fixed graph layout of the backend's metadata buffer
+(``StepBatch.graph``). :class:`FullGraph` records those addresses and checks the
+first replay's (every replay's with ``debug_check_addresses``).
+
+Without CUDA a FULL graph is emulated as faithfully as the pieces are
+(capture/graphs.py): a replay re-runs the captured step's work *under the captured
+step's forward context*, on the captured tensors, and copies into the captured
+outputs. Device metadata is read where the new step wrote it; every host value (a
+request count, a sequence length, a plan) is the captured step's. An attention op that
+reads a host value inside a FULL graph so computes the captured step's answer on the
+CPU exactly as its kernels would on a GPU, and the tests against the oracle see it.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Callable
+
+import torch
+
+from ..counters import counters
+from ..fallbacks import Fallback
+from ..forward_context import set_forward_context
+from .graphs import GraphResources, _tensors, collection_paused
+
+log = logging.getLogger("replay_backend")
+
+
+def watched(view) -> list[tuple[str, torch.Tensor]]:
+    """The device metadata a FULL graph reads from a step's graph view, named."""
+    g = view.graph
+    return [("slot_mapping", g.slot_mapping), *sorted(g.derived.items())]
+
+
+class FullGraph:
+    """One whole step at ``size`` padded tokens, captured (or emulated)."""
+
+    def __init__(self, size: int, run: Callable[[], tuple], ctx, reads: list[tuple[str, torch.Tensor]],
+                 res: GraphResources) -> None:
+        self.size, self.res = size, res
+        self.where = [(name, t.data_ptr(), tuple(t.shape)) for name, t in reads]
+        self.replays = 0
+        if res.use_cuda:
+            self.graph = torch.cuda.CUDAGraph()
+            run()  # Triton builds and first kernel loads outside the capture
+            res.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(res.stream), collection_paused():
+                self.graph.capture_begin(pool=res.pool)
+                try:
+                    self.outputs = run()
+                finally:
+                    self.graph.capture_end()
+            torch.cuda.current_stream().wait_stream(res.stream)
+            self.graph.replay()  # capturing records the step without running it
+        else:
+            self.graph = None
+            # As the context is at capture: the step goes on to point it elsewhere.
+            self.run, self.ctx = run, copy.copy(ctx)
+            with collection_paused():
+                self.outputs = run()
+
+    def check(self, reads: list[tuple[str, torch.Tensor]]) -> None:
+        for (name, ptr, shape), (_, t) in zip(self.where, reads):
+            if t.data_ptr() != ptr or tuple(t.shape) != shape:
+                raise RuntimeError(
+                    f"FULL graph [{self.size}]: the step's {name} is at {t.data_ptr():#x} {tuple(t.shape)}, the graph "
+                    f"reads {ptr:#x} {shape}: it would read another step's metadata. A FULL step's batch must be "
+                    "built by the backend (build_batch), into its metadata buffer's graph layout.")
+
+    def replay(self, reads: list[tuple[str, torch.Tensor]]) -> tuple:
+        if self.replays == 0 or self.res.check_every_replay:
+            self.check(reads)
+        self.replays += 1
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with set_forward_context(self.ctx):
+                fresh = self.run()
+            for dst, src in zip(_tensors(self.outputs), _tensors(fresh)):
+                dst.copy_(src)
+        return self.outputs
+
+
+class FullGraphs:
+    """A compiled model's FULL graphs, one per padded size, captured while the backend
+    may capture (``capture()``) and replayed from then on."""
+
+    def __init__(self, res: GraphResources) -> None:
+        self.res = res
+        self.graphs: dict[int, FullGraph] = {}
+
+    def run(self, size: int, run: Callable[[], tuple], ctx, fallback: Callable[[], tuple]) -> tuple:
+        """The step at ``size``: its graph's replay, captured now where the backend may
+        capture; without one, ``fallback()`` (the same step in pieces), counted."""
+        reads = watched(ctx.active)
+        graph = self.graphs.get(size)
+        if graph is not None:
+            return graph.replay(reads)
+        if not self.res.lifecycle.may_capture:
+            self.res.fallback(Fallback.UNCAPTURED_SIZE, f"FULL graph for size {size} was not captured before "
+                              "serving; running the step in pieces")
+            return fallback()
+        graph = self.graphs[size] = FullGraph(size, run, ctx, reads, self.res)
+        counters.captures["full"] += 1
+        return graph.outputs
