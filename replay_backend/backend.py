@@ -141,7 +141,6 @@ class ReplayBackend:
             model = self._learned_model("capture")
             metadata = self._metadata_buffer(setup)
             policy = self._full_policy(model, setup, metadata)
-            model.use_full_policy(policy)
 
             def run_full(n: int) -> None:
                 batch = setup.dummy_batch(n, graph_rows=policy.rows, metadata=metadata)
@@ -200,6 +199,7 @@ class ReplayBackend:
         ``GraphMemoryEstimate``), from the dummy steps of ``setup`` (a ``StepSetup``)."""
         setup = self.use(setup)
         model = self._learned_model("estimate_graph_memory")
+        self._full_policy(model, setup, self._metadata_buffer(setup))
         with set_forward_context(setup.context(setup.dummy_batch(setup.window))), torch.no_grad():
             return model.estimate_graph_memory(lambda n: run_dummy(model, setup, n, use_graphs=False),
                                                setup.replay_view)
@@ -286,12 +286,13 @@ class ReplayBackend:
     def _full_policy(self, model: CompiledReplayModel, setup, metadata):
         """Which steps run as FULL graphs (dispatch/full_policy.py), from the mode and
         what the model's attention ops support for ``setup``; a downgrade is a fallback."""
-        if not model.full_sizes:
-            return None
+        if not model.full_sizes or model.full_policy is not None:
+            return model.full_policy
         support, op = lowest_support(model.attention_ops(), setup)
         policy, why = resolve(self.config, model.full_sizes, support, op, metadata is not None)
         if why is not None:
             model.res.fallback(Fallback.CUDAGRAPH_MODE, why)
+        model.use_full_policy(policy)
         return policy
 
     def _metadata_buffer(self, setup) -> MetadataBuffer | None:

@@ -7,6 +7,8 @@
 #   wheels                      install .whl/*.whl (carried wheels, e.g. flashinfer-python and
 #                               apache-tvm-ffi) into /tmp/site, on PYTHONPATH for the later steps
 #   tests:SECONDS               python3 -m pytest tests/test_gpu.py
+#   pytest:SECONDS:ARGS         python3 -m pytest ARGS (other test files, e.g. tests/test_gpu_full.py)
+#   decode:SECONDS:ARGS         replay-backend decode-bench ARGS
 #   soak:SECONDS:ARGS           python3 scripts/soak.py ARGS (give it --max-seconds below SECONDS)
 #   bench:SECONDS:ARGS          replay-backend bench ARGS (give it --max-seconds below SECONDS)
 #   bench@DIR:SECONDS:ARGS      the same bench of the package tree in DIR (relative to the
@@ -63,7 +65,10 @@ for step in "$@"; do
                        'import replay_backend; print(replay_backend.__file__)')"
                fi ;;
         check) cmd=(python3 scripts/flashinfer_check.py "${argv[@]}") ;;
-        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, soak, bench, bench@DIR, check)" >&2; exit 2 ;;
+        pytest) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider "${argv[@]}") ;;
+        decode) cmd=(python3 -m replay_backend.bench.decode --out "$out/decode$n.json" "${argv[@]}") ;;
+        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, decode)" >&2
+           exit 2 ;;
     esac
     log="$out/$kind$n.log"
     echo "== $kind${tree:+ of $tree} (limit ${limit}s): ${cmd[*]}"

@@ -33,6 +33,8 @@ class GraphMemoryEstimate:
     kept_bytes: int  # outputs alive across the trim op, summed over the main sizes
     replay_peak_bytes: int  # the region at the largest replay size
     graphs: int  # graphs capture() will take (sizes x graph pieces, both levels)
+    full_graphs: int = 0  # FULL graphs capture() will take, one per FULL size
+    full_output_bytes: int = 0  # their outputs, which each keeps (summed over the FULL sizes)
     per_graph_bytes: int
     total_bytes: int
 
@@ -69,18 +71,21 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     if model.serving or model.captured_sizes("main") or model.captured_sizes("replay"):
         raise RuntimeError("estimate_graph_memory must run before any graph is captured")
     main_sizes = sorted(model.main_level.sizes)
+    full_sizes = list(model.full_policy.sizes) if model.full_policy is not None else []
     kept_runners = [r for r in model.runners("main") if r.keep_outputs]
-    main_peak = kept_at_max = replay_peak = 0
-    if main_sizes:
+    main_peak = kept_at_max = replay_peak = out_row_bytes = 0
+    measured = max(main_sizes[-1:] + full_sizes[-1:], default=0)
+    if measured:
         life = model.res.lifecycle
         life.advance(Phase.MEASURING)
         try:
             with _peak() as p:
-                run_step_without_graphs(main_sizes[-1])
+                run_step_without_graphs(measured)
         finally:
             life.advance(Phase.WARMING)
         main_peak = p[0]
         kept_at_max = sum(r.kept_bytes for r in kept_runners)
+        out_row_bytes = model.output_row_bytes
     rep = model.replay
     if rep is not None and rep.replay_sizes and rep.consts is not None:
         n = max(rep.level.sizes)
@@ -96,5 +101,11 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     if rep is not None:
         graphs += len(rep.level.sizes) * len(model.runners("replay"))
         graphs += 2 * len(rep.trim_main_sizes) * len(rep.replay_sizes)  # trim_io.py
+    # A FULL graph holds every piece's kernels and keeps its outputs; its activations
+    # reuse the pool's memory like any other graph's.
+    full_out = out_row_bytes * sum(full_sizes)
+    pieces = len(model.runners("main")) + (len(model.runners("replay")) if rep is not None else 0)
+    full_graph_bytes = len(full_sizes) * max(1, pieces) * per_graph_bytes
     return GraphMemoryEstimate(main_peak, kept, replay_peak, graphs, per_graph_bytes,
-                               pools + graphs * per_graph_bytes)
+                               pools + graphs * per_graph_bytes + full_out + full_graph_bytes,
+                               len(full_sizes), full_out)

@@ -56,6 +56,7 @@ class CompiledReplayModel:
         self.full = FullGraphs(res)
         self.full_sizes = sorted(full_sizes or [])  # the mode's, before the attention's support is known
         self.full_policy = None
+        self.output_row_bytes = 0  # the step's outputs per token row, measured with the memory estimate
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
         # 0-dim tensor arguments other than parameters: Python numbers Dynamo passes as
@@ -125,6 +126,8 @@ class CompiledReplayModel:
             finally:
                 ctx.compiled_step = False
         self.last_plan = plan
+        if self.res.lifecycle.measuring:  # what a FULL graph keeps per row (capture/memory.py)
+            self.output_row_bytes = sum(o[0].nbytes for o in out if isinstance(o, torch.Tensor) and o.dim())
         if plan is not None:
             self.res.lifecycle.last_plan = plan
         if self.res.lifecycle.phase is Phase.CAPTURED:

@@ -1,0 +1,290 @@
+"""``replay-backend decode-bench``: time per decode step (TPOT) of each graph mode.
+
+A decode point is ``conc`` requests with ``context`` tokens cached each, stepping one
+token at a time: the median wall time of a step, each synchronised as a server's is
+(its sampled token returns to the host before the next step), with the step's kernel
+floor (its GPU kernel time, profiled). A mixed point is one step of ``mixed`` tokens
+below the trim threshold: a new prompt's chunk beside decodes. The prefill points time
+whole prompts (TTFT) under the same modes, so that one run shows what a mode costs
+the steps it does not target.
+
+Modes: this backend's ``piecewise`` and ``full_and_piecewise`` (built first, timed in
+turns point by point, so a slow phase of the host falls on both alike), then torch's
+own ``reduce-overhead`` (CUDA graph trees), which resets Dynamo and runs alone.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..backend import ReplayBackend
+from ..compat import inductor as compat_inductor
+from ..compiling.piece_cache import PieceCache
+from ..config import ReplayConfig
+from ..reference import build_model
+from ..reference.cli_options import model_config
+from ..reference.compare import max_abs_err
+from ..reference.runner import StepRunner
+from ..requests import RequestChunk
+from ..tracing.dynamic import call_dynamic
+from .cuda_tracing import CudaTracing
+from .profile import NoKernelsRecorded, kernel_floor_ms
+
+OURS = {"piecewise": {"cudagraph_mode": "piecewise"},
+        "full_and_piecewise": {"cudagraph_mode": "full_and_piecewise"}}
+PEER = "reduce-overhead"
+DECODE_MODES = (*OURS, PEER)
+
+
+@dataclass
+class DecodeRun:
+    """One mode's report entry."""
+
+    mode: str
+    build_s: float = 0.0  # trace, compile and capture
+    capture: dict = field(default_factory=dict)  # per level: graphs, sizes, seconds, GiB
+    tpot_ms: dict = field(default_factory=dict)  # "context/conc" -> median step ms
+    floor_ms: dict = field(default_factory=dict)  # "context/conc" -> kernel ms of one step
+    kinds: dict = field(default_factory=dict)  # "context/conc" -> the step kind it ran as
+    mixed_ms: dict = field(default_factory=dict)  # "tokens" -> median step ms
+    ttft_ms: dict = field(default_factory=dict)  # "isl" -> median prefill ms (c1)
+    max_abs_err_vs_first: dict = field(default_factory=dict)  # "context/conc" -> vs the first mode's logits
+    error: str | None = None
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Mode:
+    """A mode's runner and its requests' positions."""
+
+    def __init__(self, run: DecodeRun, runner: StepRunner) -> None:
+        self.run, self.runner = run, runner
+        self.seq: dict[str, int] = {}
+
+    def start(self, tag: str, context: int, conc: int) -> list[str]:
+        ids = [f"{tag}-{i}" for i in range(conc)]
+        self.runner.prefill({rid: context for rid in ids})
+        self.seq.update({rid: context for rid in ids})
+        return ids
+
+    def decode(self, ids: list[str]):
+        reqs = []
+        for rid in ids:
+            self.seq[rid] += 1
+            reqs.append(RequestChunk(rid, 1, self.seq[rid]))
+        sync()
+        t0 = time.perf_counter()
+        out = self.runner.step(reqs)
+        sync()
+        return (time.perf_counter() - t0) * 1e3, out
+
+    def end(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.runner.free(rid)
+            del self.seq[rid]
+
+
+def _build(mode: str, model, kw: dict, args, cache: PieceCache) -> Mode:
+    run = DecodeRun(mode)
+    t0 = time.perf_counter()
+    if mode == PEER:
+        torch._dynamo.reset()
+        peer = torch.compile(model, options=compat_inductor.reduce_overhead_options())
+        runner = StepRunner(model, forward=lambda ids, pos: call_dynamic(peer, (ids, pos), False, ids, pos), **kw)
+        runner.run(runner.dummy_batch(model.cfg.window))
+    else:
+        opts = {**OURS[mode], "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": kw["max_num_seqs"]}
+        runner = StepRunner(model, backend=ReplayBackend(ReplayConfig.from_options(opts), piece_cache=cache), **kw)
+        run.capture = runner.capture()
+    sync()
+    run.build_s = time.perf_counter() - t0
+    print(f"{mode}: ready in {run.build_s:.1f} s; capture {run.capture}", flush=True)
+    return Mode(run, runner)
+
+
+def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: CudaTracing) -> None:
+    point = f"{context}/{conc}"
+    live = {id(m): m.start(f"d{context}x{conc}", context, conc) for m in modes}
+    first = None
+    for m in modes:  # warm-up, and each mode's first step checked against the first mode's
+        for w in range(args.warmup):
+            _, out = m.decode(live[id(m)])
+            if w == 0:
+                first = out.logits if first is None else first
+                m.run.max_abs_err_vs_first[point] = max_abs_err(out.logits.float(), first.float())
+                m.run.kinds[point] = out.result.kind.value if out.result is not None else "dynamo"
+    times: dict[int, list[float]] = {id(m): [] for m in modes}
+    for _ in range(args.steps):
+        for m in modes:
+            times[id(m)].append(m.decode(live[id(m)])[0])
+    for m in modes:
+        m.run.tpot_ms[point] = statistics.median(times[id(m)])
+        if torch.cuda.is_available():
+            try:
+                m.run.floor_ms[point] = kernel_floor_ms(lambda: m.decode(live[id(m)])[0], tracing)
+            except NoKernelsRecorded as e:
+                print(f"{m.run.mode} {point}: no floor: {e}", flush=True)
+        m.end(live[id(m)])
+    print(f"decode {point}: " + ", ".join(f"{m.run.mode} {m.run.tpot_ms[point]:.2f} ms "
+                                          f"(floor {m.run.floor_ms.get(point, float('nan')):.2f}, "
+                                          f"{m.run.kinds.get(point)})" for m in modes), flush=True)
+
+
+def _mixed_point(modes: list[Mode], tokens: int, args) -> None:
+    """``tokens`` in one step: a new prompt's first chunk beside 8 decodes."""
+    decodes = min(8, tokens // 2)
+    for m in modes:
+        ids = m.start("mix", 1024, decodes)
+        samples = []
+        for k in range(args.warmup + args.steps):
+            reqs = [RequestChunk(rid, 1, m.seq[rid] + 1) for rid in ids]
+            for rid in ids:
+                m.seq[rid] += 1
+            reqs.append(RequestChunk(f"mix-new{k}", tokens - decodes, tokens - decodes))
+            sync()
+            t0 = time.perf_counter()
+            m.runner.step(reqs)
+            sync()
+            samples.append((time.perf_counter() - t0) * 1e3)
+            m.runner.free(f"mix-new{k}")
+        m.run.mixed_ms[str(tokens)] = statistics.median(samples[args.warmup:])
+        m.end(ids)
+    print(f"mixed {tokens}: " + ", ".join(f"{m.run.mode} {m.run.mixed_ms[str(tokens)]:.2f} ms" for m in modes),
+          flush=True)
+
+
+def _prefill_points(modes: list[Mode], args) -> None:
+    for isl in args.prefill_isl:
+        times: dict[int, list[float]] = {id(m): [] for m in modes}
+        for k in range(args.warmup + args.runs):
+            for m in modes:
+                sync()
+                t0 = time.perf_counter()
+                m.runner.prefill({f"p{isl}-{k}": isl})
+                sync()
+                if k >= args.warmup:
+                    times[id(m)].append((time.perf_counter() - t0) * 1e3)
+                m.runner.free(f"p{isl}-{k}")
+        for m in modes:
+            m.run.ttft_ms[str(isl)] = statistics.median(times[id(m)])
+        print(f"prefill {isl}: " + ", ".join(f"{m.run.mode} {m.run.ttft_ms[str(isl)]:.1f} ms" for m in modes),
+              flush=True)
+
+
+def _measure(modes: list[Mode], args) -> None:
+    tracing = CudaTracing()
+    try:
+        for context in args.context:
+            for conc in args.conc:
+                _decode_point(modes, context, conc, args, tracing)
+        for tokens in args.mixed:
+            _mixed_point(modes, tokens, args)
+        _prefill_points(modes, args)
+    finally:
+        tracing.release()
+
+
+def run_decode_bench(args) -> dict:
+    """Every mode of ``args.modes`` at every point; returns the report."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(model_config(args.preset, args.model_option), device,
+                        torch.bfloat16 if device == "cuda" else torch.float32)
+    longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + 2
+    kw = dict(max_num_seqs=max(max(args.conc), 9), max_model_len=longest + longest % 2,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    cache = PieceCache()
+    runs: list[DecodeRun] = []
+    ours = []
+    for mode in [m for m in args.modes if m in OURS]:
+        try:
+            ours.append(_build(mode, model, kw, args, cache))
+        except Exception as e:  # noqa: BLE001 - one mode's failure is its entry, the others go on
+            runs.append(DecodeRun(mode, error=f"{type(e).__name__}: {e}"[:500]))
+    runs += [m.run for m in ours]
+    _measure(ours, args)
+    ours.clear()
+    if PEER in args.modes:
+        try:
+            peer = _build(PEER, model, kw, args, cache)
+            runs.append(peer.run)
+            _measure([peer], args)
+        except Exception as e:  # noqa: BLE001
+            runs.append(DecodeRun(PEER, error=f"{type(e).__name__}: {e}"[:500]))
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "results": [asdict(r) for r in runs]}
+
+
+def render(report: dict) -> str:
+    """The report as markdown tables: TPOT and floors, the mixed and prefill points,
+    capture cost."""
+    res = [r for r in report["results"] if not r["error"]]
+    base = next((r for r in res if r["mode"] == "piecewise"), None)
+    lines = [f"decode steps, {report['preset']} on {report['device']} (torch {report['torch']}), median of "
+             f"{report['steps']} steps", "", "| context/conc | " + " | ".join(
+                 f"{r['mode']} ms (floor, x floor)" for r in res) + " | piecewise / full_and_piecewise |",
+             "|---|" + "---|" * (len(res) + 1)]
+    full = next((r for r in res if r["mode"] == "full_and_piecewise"), None)
+    for point in (base or res[0])["tpot_ms"] if res else []:
+        cells = []
+        for r in res:
+            ms, floor = r["tpot_ms"].get(point), r["floor_ms"].get(point)
+            cells.append(f"{ms:.2f}" + (f" ({floor:.2f}, {ms / floor:.2f}x)" if ms and floor else ""))
+        gain = (f"{base['tpot_ms'][point] / full['tpot_ms'][point]:.2f}x" if base and full
+                and point in full["tpot_ms"] else "")
+        lines.append(f"| {point} | " + " | ".join(cells) + f" | {gain} |")
+    for title, key in (("mixed step, tokens", "mixed_ms"), ("prefill TTFT c1, ISL", "ttft_ms")):
+        lines += ["", f"| {title} | " + " | ".join(f"{r['mode']} ms" for r in res) + " |",
+                  "|---|" + "---|" * len(res)]
+        for point in (base or res[0])[key] if res else []:
+            lines.append(f"| {point} | " + " | ".join(f"{r[key].get(point, float('nan')):.2f}" for r in res) + " |")
+    lines += ["", "| mode | build s | capture: level graphs / s / GiB |", "|---|---|---|"]
+    for r in report["results"]:
+        cap = "; ".join(f"{lvl} {c['graphs']} / {c['seconds']:.1f} / {c['gib']:.2f}" for lvl, c in r["capture"].items())
+        lines.append(f"| {r['mode']} | {r['build_s']:.0f} | {cap or r['error'] or '-'} |")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    """The command's arguments (``replay-backend decode-bench``)."""
+    from ..reference import cli_args
+
+    p.add_argument("--preset", default="mini-2k")
+    p.add_argument("--model-option", action="append", metavar="KEY=VALUE")
+    p.add_argument("--modes", type=cli_args.names(list(DECODE_MODES)), default=list(DECODE_MODES))
+    p.add_argument("--context", type=cli_args.int_list(1), default=[1024, 8192],
+                   help="cached tokens per request at the decode points")
+    p.add_argument("--conc", type=cli_args.int_list(1), default=[1, 8, 64], help="requests per decode step")
+    p.add_argument("--mixed", type=cli_args.int_list(2), default=[512], help="tokens of the mixed steps")
+    p.add_argument("--prefill-isl", type=cli_args.int_list(1), default=[1024, 4096, 8192])
+    p.add_argument("--steps", type=cli_args.int_arg(1), default=30, help="timed steps per point")
+    p.add_argument("--runs", type=cli_args.int_arg(1), default=5, help="timed prompts per prefill point")
+    p.add_argument("--warmup", type=cli_args.int_arg(1), default=3)
+    p.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1), default=8192)
+    p.add_argument("--out", help="write the JSON report here")
+
+
+def main(argv=None) -> int:
+    import json
+
+    from ..reference.cli_args import Parser
+
+    p = Parser(prog="replay-backend decode-bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    report = run_decode_bench(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
