@@ -16,7 +16,8 @@ from .passes.split import PieceInfo
 
 @dataclass
 class RunnerStats:
-    """One graph runner (``"main"`` or ``"replay"``) when the plan was taken."""
+    """One graph runner (``"main"``, ``"replay"``, or ``"full"``: whole steps, one graph
+    each) when the plan was taken."""
 
     pieces: int  # graph pieces wrapped in per-size runners
     captured_sizes: list[int]  # sizes with a captured graph in at least one piece
@@ -116,7 +117,8 @@ class SplitPlan:
         for name, r in self.runners.items():
             took = f", {r.capture_seconds:.2f} s" if r.capture_seconds is not None else ""
             disp = ", ".join(f"{k}: {v}" for k, v in sorted(r.dispatch.items(), key=_size_key)) or "none"
-            lines.append(f"runner {name}: {r.pieces} graph pieces, captured sizes {r.captured_sizes} "
+            what = "whole steps" if name == "full" else f"{r.pieces} graph pieces"
+            lines.append(f"runner {name}: {what}, captured sizes {r.captured_sizes} "
                          f"({r.graphs} graphs{took}); steps dispatched by size: {disp}")
         return "\n".join(lines)
 
@@ -132,6 +134,11 @@ def runner_stats(compiled) -> dict[str, RunnerStats]:
         out[name] = RunnerStats(len(runners), compiled.captured_sizes(name),
                                 sum(len(r.graphs) for r in runners), dict(compiled.dispatch[name]),
                                 summary.get("seconds"), summary.get("gib"))
+    if compiled.full_sizes:
+        summary = compiled.capture_summary.get("full", {})
+        graphs = sorted(compiled.full.graphs)
+        out["full"] = RunnerStats(1, graphs, len(graphs), dict(compiled.dispatch["full"]), summary.get("seconds"),
+                                  summary.get("gib"))
     return out
 
 
