@@ -49,10 +49,38 @@ def _mfu_table(report: dict, setting: str, by: dict, modes: list[str], rows) -> 
     return lines
 
 
+# A rank's floor this far from rank 0's is listed under the table.
+FLOOR_SPREAD = 0.02
+
+
+def topology_name(topo: dict) -> str:
+    return (f"TP{topo['tp']} x DP{topo['dp']}" + (" expert-parallel" if topo["enable_expert_parallel"] else "")
+            + f", {topo['world']} rank{'s' if topo['world'] > 1 else ''}")
+
+
+def _other_floors(report: dict) -> list[str]:
+    """Each other rank's floors where they differ from rank 0's (FLOOR_SPREAD)."""
+    every = report.get("floor_ms_by_rank") or []
+    lines = []
+    for rank, floors in enumerate(every[1:], start=1):
+        for setting, points in sorted((floors or {}).items()):
+            mine = report["floor_ms"].get(setting, {})
+            far = [f"{p} {ms:.1f}" for p, ms in points.items()
+                   if mine.get(p) is None or abs(ms - mine[p]) > FLOOR_SPREAD * mine[p]]
+            if far:
+                lines.append(f"- rank {rank} {setting}: " + ", ".join(far))
+    if lines:
+        lines.insert(0, f"\nfloor ms of the other ranks, where more than {FLOOR_SPREAD:.0%} from rank 0's "
+                        "(the table's):")
+    return lines
+
+
 def render(report: dict) -> str:
     opts = " ".join(report.get("model_options") or [])
+    topo = report.get("topology")
     lines = [f"# {report['preset']}{' (' + opts + ')' if opts else ''} {report['dtype']} on {report['device']} (torch {report['torch']}), "
-             f"median of {report['runs']} after {report['warmup']} warm-up, "
+             + (f"{topology_name(topo)} (rank 0's times), " if topo else "")
+             + f"median of {report['runs']} after {report['warmup']} warm-up, "
              f"max_num_batched_tokens {report['max_num_batched_tokens']}"]
     drift = [f"{r['setting']}/{r['mode']}" for r in report["results"] if r.get("drifted")]
     if drift:
@@ -88,6 +116,10 @@ def render(report: dict) -> str:
                 cells.append(_fmt(rep / floor if rep and floor else None, "{:.2f}"))
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines += _mfu_table(report, setting, by, modes, rows)
+    lines += _other_floors(report)
+    if report.get("agree_us_median") is not None:
+        lines.append(f"\nper-step agreement of the data-parallel ranks (one small gloo all-reduce): "
+                     f"median {report['agree_us_median']:.1f} us")
     probes = report.get("host_probe") or {}
     if probes:
         lines.append("\nhost speed (small CPU op / tiny CUDA launch, us per call): " + ", ".join(

@@ -1,6 +1,7 @@
 """``replay-backend bench``: prefill-only step latency of every mode.
 
-All modes run in one process on the same model. A measurement is the TTFT of
+All modes run in one process on the same model (over several ranks, in every rank's
+process on its share of it: bench/ranks.py). A measurement is the TTFT of
 ``concurrency`` prompts of ``isl`` tokens with ``max_tokens=1``: every chunked-prefill
 step (``max_num_batched_tokens`` per step) from the first to the last, synchronised;
 the median of ``runs`` measurements after ``warmup`` ones. This backend's modes are
@@ -10,6 +11,7 @@ stock ``reduce-overhead`` peer runs after them on its own.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -25,13 +27,15 @@ from ..reference.accuracy import CHECK, yardstick
 from .report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
 from ..tracing.dynamic import call_dynamic
 from .flops import measured_peak, point_flops
-from .timing import ModeRun, TimedMode, host_probe, sync, time_points
+from .timing import Deadline, ModeRun, TimedMode, host_probe, sync, time_points
 from ..reference.cli_options import model_config, parse_options
 from ..reference.compare import max_abs_err
 from ..config import ReplayConfig
 from ..reference import build_model
 from ..compiling.piece_cache import PieceCache
+from ..reference.parallel import shard
 from ..reference.runner import StepRunner
+from .ranks import Ranks, agreement_us, shared_groups_in_copies
 
 MODE_OPTIONS = {
     "off": {"cudagraph_mode": "none", "decoder_replay": False},
@@ -166,26 +170,34 @@ def check_tokens(shapes) -> int:
     return min(min(isl for isl, _ in shapes), CHECK_MAX_TOKENS)
 
 
-def _model(args):
-    """The benchmark model: bf16 on CUDA, float32 on the CPU; returns it and its device."""
+def _model(args, ranks=None):
+    """The benchmark model: bf16 on CUDA, float32 on the CPU, this rank's share of it
+    over several ranks; returns it and its device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32), device
+    model = build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32)
+    if ranks is not None:  # every rank builds the same model (same seed), then keeps its share
+        shard(model, ranks.parallel)
+    return model, device
 
 
-def run_bench(args, checkpoint=None, fp32_results: dict | None = None) -> dict:
+def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ranks | None = None) -> dict:
     """Every mode at every point; returns the report. ``checkpoint(report)``, when given,
     gets the report so far once this backend's modes are ready, after each timed point
     and after the stock peer's compile, so that a run stopped by an outer time limit
     still leaves what it measured. ``fp32_results``: the accuracy gate's fp32 results,
-    shared by the passes of one command (reference/accuracy.yardstick)."""
+    shared by the passes of one command (reference/accuracy.yardstick). ``ranks``: this
+    rank's place over several ranks (bench/ranks.py); each rank runs every point on
+    its own prompts, and the report holds every rank's floors."""
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     if not shapes:
         raise ValueError(f"every ISL x concurrency point is above --max-tokens-per-point "
                          f"{args.max_tokens_per_point} prompt tokens: nothing to measure")
     # --max-seconds counts from here, the check prompt included: it is meant to fit the
     # bench inside an outer time limit.
-    deadline = time.perf_counter() + args.max_seconds
-    model, device = _model(args)
+    deadline = Deadline(time.perf_counter() + args.max_seconds, ranks.world_group if ranks else None)
+    if ranks is not None:
+        args = ranks.own_paths(args)
+    model, device = _model(args, ranks)
     dtype = next(model.parameters()).dtype
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
@@ -193,7 +205,8 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None) -> dict:
     check_len = check_tokens(shapes)
     t0 = time.perf_counter()
     reference = StepRunner(model, **kw).prefill({CHECK: check_len})[CHECK]
-    gate = yardstick(model, reference, check_len, args.max_num_batched_tokens, fp32_results)
+    with shared_groups_in_copies() if ranks is not None else contextlib.nullcontext():
+        gate = yardstick(model, reference, check_len, args.max_num_batched_tokens, fp32_results)
     print(f"check prompt: {check_len} tokens, plain model and fp32 copies in {time.perf_counter() - t0:.1f} s; "
           f"rel L2 to the fp32 copy: plain {gate.plain_err:.3g}, rounding noise {gate.noise_err:.3g}, "
           f"a mode drifts above {gate.limit:.3g}", flush=True)
@@ -202,7 +215,8 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None) -> dict:
     gflop = {f"{i}/{c}": point_flops(model.cfg, i, c, args.max_num_batched_tokens) / 1e9 for i, c in shapes}
     print(f"measured dense {str(dtype).replace('torch.', '')} matmul rate: {peak / 1e12:.1f} TFLOP/s", flush=True)
     cache = PieceCache()  # identical pieces compile once
-    shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache)
+    groups = ranks.backend_groups if ranks is not None else {}
+    shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache, **groups)
                           for m, s in plan if m in MODE_OPTIONS})
     shared_fwd = torch.compile(model, backend=shared, fullgraph=True)
     results: list[ModeRun] = []
@@ -210,17 +224,22 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None) -> dict:
     trim_host_us: list[float] = []
     trace_s = None
     probes: dict = {}
+    over_ranks: dict = {}
 
     def report() -> dict:
-        return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
-                "model_options": list(args.model_option or []),
-                "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
-                "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
-                "peak_tflops": peak / 1e12, "point_gflop": gflop,
-                "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": gate.plain_err,
-                "noise_err_vs_fp32": gate.noise_err, "drift_limit": gate.limit,
-                "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
+        out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               "torch": torch.__version__, "preset": args.preset, "dtype": str(dtype),
+               "model_options": list(args.model_option or []),
+               "runs": args.runs, "warmup": args.warmup, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "trace_s": trace_s, "results": [asdict(r) for r in results], "floor_ms": floors,
+               "peak_tflops": peak / 1e12, "point_gflop": gflop,
+               "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": gate.plain_err,
+               "noise_err_vs_fp32": gate.noise_err, "drift_limit": gate.limit,
+               "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
+        if ranks is not None:
+            out.update(topology=ranks.topo.as_dict(), floor_ms_by_rank=over_ranks.get("floors"),
+                       agree_us_median=over_ranks.get("agree_us"))
+        return out
 
     def save() -> None:
         if checkpoint is not None:
@@ -240,6 +259,11 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None) -> dict:
             run.rel_err_vs_fp32 = gate.error(got)
             run.drifted = gate.drifted(run.rel_err_vs_fp32)
         except Exception as e:  # report the failure of one mode, keep the others
+            if ranks is not None:
+                # Over several ranks the others may be inside this mode's collectives,
+                # which the failed rank left: nothing to agree on after it, so the run
+                # ends here, the rank named (ranks.launch).
+                raise
             run.error = f"{type(e).__name__}: {e}"[:500]
             print(f"{mode}/{setting}: failed: {run.error}", flush=True)
             return None
@@ -252,14 +276,21 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None) -> dict:
     probes["start"] = host_probe()
     print(f"host speed at start: {probes['start']}", flush=True)
     save()
-    time_points(ours, shapes, deadline, args, device, floors, trim_host_us, done=save)
+    time_points(ours, shapes, deadline, args, device, floors, trim_host_us, done=save,
+                fail_fast=ranks is not None)  # as in prepare: a failure ends the run
     probes["end"] = host_probe()
+    if ranks is not None:
+        over_ranks["floors"] = ranks.gather(floors)
+        if ranks.backend_groups["dp_group"] is not None:  # else no step agrees: tensor parallel alone
+            over_ranks["agree_us"] = agreement_us(ranks)
+            print(f"per-step agreement of the data-parallel ranks: median {over_ranks['agree_us']:.1f} us",
+                  flush=True)
     ours.clear()
     shared.backends.clear()  # their graphs and buffers go before the peer compiles
     _release()
     for ms in plan:
         if ms[0] == "reduce-overhead":  # it resets Dynamo, so it comes last and alone
-            if time.perf_counter() > deadline:  # its compile alone takes minutes
+            if deadline.passed():  # its compile alone takes minutes
                 results.append(ModeRun(*ms, error="time budget spent (--max-seconds) before its compile"))
                 continue
             peer = prepare(*ms)

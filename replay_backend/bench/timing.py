@@ -59,6 +59,26 @@ class ModeRun:
     error: str | None = None
 
 
+class Deadline:
+    """``--max-seconds``: whether the bench is past its budget. Over several ranks
+    (``group``: a host group of every rank) the answer is agreed, past on every rank
+    once past on any: each rank's clock started apart, and a rank that stopped while
+    another went on would leave that one waiting in a collective."""
+
+    def __init__(self, at: float, group=None) -> None:
+        self.at, self.group = at, group
+
+    def passed(self) -> bool:
+        past = time.perf_counter() > self.at
+        if self.group is None:
+            return past
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(past)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -238,18 +258,21 @@ def _add_events(into: dict, moved: dict) -> None:
             into[name] = into.get(name, 0) + delta
 
 
-def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: str, floors: dict,
-                 trim_host_us: list, done: Callable[[], None] | None = None) -> None:
+def time_points(modes: list[TimedMode], shapes, deadline: "Deadline | float", args, device: str, floors: dict,
+                 trim_host_us: list, done: Callable[[], None] | None = None, fail_fast: bool = False) -> None:
     """Every point for every mode, then the floors and profiles of the points timed. The
     profiler comes after all timing: CUDA tracing left attached after a session makes the
     host's later CUDA calls slower, which would fall on every point timed after it; the
     sessions keep it attached from one to the next and it is released after the last
     (CudaTracing). A mode that fails leaves the rotation with its error;
     nothing new starts after ``deadline``. ``done()`` runs after each point's timing and
-    after its floors and profiles."""
+    after its floors and profiles. ``fail_fast``: a mode that fails ends the run (its
+    error raised) instead of leaving the rotation."""
+    if not isinstance(deadline, Deadline):
+        deadline = Deadline(deadline)
     timed = []
     for isl, conc in shapes:
-        if time.perf_counter() > deadline:
+        if deadline.passed():
             for m in modes:
                 m.run.error = m.run.error or f"time budget spent (--max-seconds) before {isl}/{conc}"
             break
@@ -259,13 +282,13 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                 timed.append((isl, conc))
                 break
             except ModeFailed as f:  # the point again without it
-                modes = _drop(modes, f)
+                modes = _drop(modes, f, fail_fast)
         if done is not None:
             done()
     tracing = CudaTracing()  # before the sessions, which set what it reads
     try:
         for isl, conc in timed:
-            if time.perf_counter() > deadline:
+            if deadline.passed():
                 print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
                 break
             profiled = False
@@ -274,13 +297,15 @@ def time_points(modes: list[TimedMode], shapes, deadline: float, args, device: s
                     profiled |= profile_mode(m, isl, conc, args, device, floors, tracing)
                 except ModeFailed as f:  # inside a profiler session: profile_mode runs steps only there
                     profiled = True
-                    modes = _drop(modes, f)
+                    modes = _drop(modes, f, fail_fast)
             if done is not None and profiled:
                 done()
     finally:
         tracing.release()
 
 
-def _drop(modes: list[TimedMode], failed: ModeFailed) -> list[TimedMode]:
+def _drop(modes: list[TimedMode], failed: ModeFailed, fail_fast: bool = False) -> list[TimedMode]:
+    if fail_fast:
+        raise failed.cause
     failed.mode.run.error = f"{type(failed.cause).__name__}: {failed.cause}"[:500]
     return [m for m in modes if m is not failed.mode]

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..compat import dynamo as compat_dynamo
+from ..bench import ranks as bench_ranks
 from ..bench import run as bench
 from ..backend import ReplayBackend
 from . import cli_args
@@ -221,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", help="default: mini-2k on CUDA, tiny on CPU")
     b.add_argument("--isl", type=cli_args.int_list(1, MAX_MODEL_LEN - 2, why=cli_args.LEN_WHY), default=[1024, 4096, 8192, 32768])
     b.add_argument("--conc", type=cli_args.int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8])
-    b.add_argument("--modes", type=cli_args.names(list(bench.MODES)), default=list(bench.MODES))
+    b.add_argument("--modes", type=cli_args.names(list(bench.MODES)),
+                   help="default: every mode; with --tp/--dp/--enable-expert-parallel every mode but "
+                        "reduce-overhead, which runs on one process only and is refused there")
     b.add_argument("--settings", type=cli_args.names(["default", "wide"]), default=["default", "wide"],
                    help="capture settings of the graphed modes (default, wide); modes without "
                         "this backend's graphs run once, at the default setting")
@@ -248,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the whole bench once per attention implementation (e.g. triton,flashinfer), "
                         "in this process, one after the other (a later pass can read slower on the same "
                         "host: docs/benchmarks.md); default: the model's own")
+    b.add_argument("--tp", type=cli_args.int_arg(1), metavar="N",
+                   help="tensor-parallel ranks: one process per rank (tp x dp ranks, one GPU each; gloo on the "
+                        "CPU), spawned here or started by torchrun; rank 0 prints and writes the report "
+                        "(docs/benchmarks.md, Several GPUs)")
+    b.add_argument("--dp", type=cli_args.int_arg(1), metavar="N",
+                   help="data-parallel ranks (each runs every point's prompts of its own)")
+    b.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --dp: data-parallel attention, the MoE's experts split over every rank (DEP)")
     b.add_argument("--compile-only", action="store_true",
                    help="only trace and build the replay mode, print the seconds (cold/warm compile)")
     b.set_defaults(fn=cmd_bench)
@@ -272,7 +283,16 @@ def _write_report(args, reports: list[dict]) -> str:
 def _check_bench(args) -> None:
     """What the bench's arguments must satisfy, checked before any model is built: the
     preset and model options, every attention implementation, the backend options, the
-    caches the runs allocate, and the files they write."""
+    caches the runs allocate, the files they write, and the ranks it starts."""
+    topo = bench_ranks.topology(args)
+    if topo is not None:
+        if "reduce-overhead" in args.modes:
+            raise ValueError("--modes reduce-overhead: the stock torch.compile peer runs on one process, without "
+                             "the ranks' groups; leave it out with --tp/--dp/--enable-expert-parallel")
+        if args.compile_only:
+            raise ValueError("--compile-only times one process's compile: leave out --tp/--dp/"
+                             "--enable-expert-parallel")
+        bench_ranks.check_launch(topo)
     cfg = model_config(args.preset, args.model_option)
     for impl in args.attention or []:
         model_config(args.preset, [*args.model_option, f"attention_impl={impl}"])
@@ -293,11 +313,23 @@ def _check_bench(args) -> None:
 def cmd_bench(args) -> int:
     if args.preset is None:
         args.preset = "mini-2k" if torch.cuda.is_available() else "tiny"
+    topo = bench_ranks.topology(args)
+    if args.modes is None:
+        args.modes = [m for m in bench.MODES if topo is None or m != "reduce-overhead"]
     _check_bench(args)
-    impls = args.attention or [None]
     if args.compile_only:
         print(json.dumps(bench.compile_only(args)))
         return 0
+    if topo is not None:
+        return bench_ranks.launch(bench_passes, args, topo)
+    return bench_passes(args)
+
+
+def bench_passes(args, ranks=None) -> int:
+    """The bench's passes (one per --attention implementation) in this process, as one
+    rank of several where ``ranks`` is given (only rank 0 writes the report)."""
+    impls = args.attention or [None]
+    lead = ranks is None or ranks.lead
     t0, done = time.perf_counter(), []
     fp32_results: dict = {}  # one set of fp32 copies for every implementation's pass
     for impl in impls:
@@ -306,9 +338,10 @@ def cmd_bench(args) -> int:
             run.model_option = [*args.model_option, f"attention_impl={impl}"]
         run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
         torch._dynamo.reset()  # each implementation traces its own model
-        done.append(bench.run_bench(run, checkpoint=lambda partial: _write_report(args, [*done, partial]),
-                                    fp32_results=fp32_results))
-    print(_write_report(args, done))
+        done.append(bench.run_bench(run, checkpoint=(lambda partial: _write_report(args, [*done, partial]))
+                                    if lead else None, fp32_results=fp32_results, ranks=ranks))
+    if lead:
+        print(_write_report(args, done))
     return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
 
 
