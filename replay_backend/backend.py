@@ -10,6 +10,7 @@ refused once serving.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any, Callable
@@ -36,10 +37,11 @@ from .step_metadata import MetadataBuffer, metadata_capacity
 from .step_setup import StepSetup
 
 
-def run_dummy(model: CompiledReplayModel, setup, n: int, use_graphs: bool = True) -> None:
+def run_dummy(model: CompiledReplayModel, setup, n: int, use_graphs: bool = True, **batch) -> None:
     """One dummy step of ``n`` tokens of ``setup`` (every KV write to the pad slot)
-    through ``model``'s graph directly, under a forward context of its own."""
-    with set_forward_context(setup.context(setup.dummy_batch(n), use_graphs=use_graphs)):
+    through ``model``'s graph directly, under a forward context of its own; ``batch``:
+    the dummy batch's ``graph_rows`` and ``metadata`` (a FULL step's)."""
+    with set_forward_context(setup.context(setup.dummy_batch(n, **batch), use_graphs=use_graphs)):
         model.graph_call.dummy(n)
 
 log = logging.getLogger("replay_backend")
@@ -140,16 +142,9 @@ class ReplayBackend:
             setup = self.use(setup)
             model = self._learned_model("capture")
             metadata = self._metadata_buffer(setup)
-            policy = self._full_policy(model, setup, metadata)
-
-            def run_full(n: int) -> None:
-                batch = setup.dummy_batch(n, graph_rows=policy.rows, metadata=metadata)
-                with set_forward_context(setup.context(batch)):
-                    model.graph_call.dummy(n)
-
+            run_full = self._full_capture_step(model, setup, metadata)
             with set_forward_context(setup.context(setup.dummy_batch(setup.window))):
-                summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata,
-                                        run_full if policy is not None else None)
+                summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata, run_full)
         else:
             if self.config.full_graphs:
                 self.model.res.fallback(Fallback.CUDAGRAPH_MODE, f"cudagraph_mode={self.config.cudagraph_mode!r}: "
@@ -250,8 +245,13 @@ class ReplayBackend:
         if self.setup is None:
             raise RuntimeError("dsv41_replay: idle_step() needs the model's StepSetup: pass it to capture() or "
                                "start_serving()")
+        model = self._learned_model("idle_step")
+        policy = model.full_policy
+        # Laid out as a served decode is: an idle rank keeps the others' FULL steps FULL.
+        batch = dict(graph_rows=policy.rows, metadata=self.metadata) \
+            if policy is not None and self.metadata is not None and self.lifecycle.serving else {}
         with torch.no_grad():
-            run_dummy(self._learned_model("idle_step"), self.setup, 1)
+            run_dummy(model, self.setup, 1, **batch)
 
     @property
     def last_step(self):
@@ -289,11 +289,27 @@ class ReplayBackend:
         if not model.full_sizes or model.full_policy is not None:
             return model.full_policy
         support, op = lowest_support(model.attention_ops(), setup)
-        policy, why = resolve(self.config, model.full_sizes, support, op, metadata is not None)
+        policy, why = resolve(self.config, model.full_sizes, support, op, metadata)
         if why is not None:
             model.res.fallback(Fallback.CUDAGRAPH_MODE, why)
         model.use_full_policy(policy)
         return policy
+
+    def _full_capture_step(self, model: CompiledReplayModel, setup, metadata):
+        """``run(n)``: capture's dummy step at FULL size ``n``, a batch the FULL policy
+        admits, laid out for FULL graphs; None without FULL graphs. Sizes that no such
+        batch pads to leave the policy."""
+        policy = self._full_policy(model, setup, metadata)
+        if policy is None:
+            return None
+        shapes = policy.dummy_shapes(setup.layout.num_blocks)
+        policy = dataclasses.replace(policy, sizes=tuple(shapes)) if shapes else None
+        model.use_full_policy(policy)
+
+        def run(n: int) -> None:
+            tokens, per_request = shapes[n]
+            run_dummy(model, setup, tokens, graph_rows=policy.rows, metadata=metadata, per_request=per_request)
+        return run if policy is not None else None
 
     def _metadata_buffer(self, setup) -> MetadataBuffer | None:
         """The fixed buffer served steps' metadata goes to, whose head the trim op's

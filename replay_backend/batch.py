@@ -330,13 +330,14 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
 
 def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, context: int = 0,
                      view_fields: Mapping[str, ViewField] | None = None, *, graph_rows: int | None = None,
-                     metadata: MetadataBuffer | None = None) -> StepBatch:
+                     metadata: MetadataBuffer | None = None, per_request: int | None = None) -> StepBatch:
     """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most
     ``window`` tokens (so every row is a replay row), every KV write aimed at the pad
     slot. The first request's rows follow ``context`` positions, whose cache entries its
     attention reads (whatever they hold: the outputs are thrown away). ``graph_rows``
-    and ``metadata``: as ``build_step_batch``'s (a FULL graph's capture)."""
-    w = min(window, layout.max_model_len - context)
+    and ``metadata``: as ``build_step_batch``'s (a FULL graph's capture);
+    ``per_request``: requests of this many tokens each (a uniform decode's)."""
+    w = min(per_request or window, window, layout.max_model_len - context)
     if w < 1:
         raise ValueError(f"context={context} leaves no room in max_model_len={layout.max_model_len}")
     reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s) + (context if i == 0 else 0))

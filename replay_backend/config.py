@@ -263,6 +263,8 @@ class ReplayConfig:
         no_replay_graphs = ("cudagraph_decoder_replay=False", "no replay graph is captured and PIECEWISE "
                             "steps never trim") if not self.cudagraph_decoder_replay else None
         replay = (no_graphs, no_pieces, no_region, no_replay_graphs)
+        # The threshold and max_num_seqs also bound the FULL sizes (full_capture_sizes).
+        sizes_too = (no_graphs, no_region, no_replay_graphs) if self.full_graphs else replay
         explicit_sizes = ("decoder_replay_cudagraph_capture_sizes set", "max_num_seqs only bounds the "
                           "default replay sizes") if self.decoder_replay_cudagraph_capture_sizes else None
         # option: (whether its value asks for something, the switches that deny it)
@@ -272,9 +274,9 @@ class ReplayConfig:
             "debug_check_addresses": (self.debug_check_addresses, (no_graphs,)),
             "cudagraph_decoder_replay": (self.cudagraph_decoder_replay, (no_graphs, no_region)),
             "decoder_replay_cudagraph_capture_sizes": (True, replay),
-            "decoder_replay_trim_threshold": (True, replay),
+            "decoder_replay_trim_threshold": (True, sizes_too),
             "trim_io_graphs": (self.trim_io_graphs, replay),
-            "max_num_seqs": (True, (*replay, explicit_sizes)),
+            "max_num_seqs": (True, (*sizes_too, explicit_sizes)),
             "uniform_decode_query_len": (True, (no_full,)),
         }
         notes = []

@@ -39,7 +39,8 @@ def check_against_reference(device: str) -> None:
             for layer, comp in ((0, None), (1, (kv_c, gate, norm_w)), (3, (kv_c, None, norm_w))):
                 want.swa[layer].index_copy_(0, view.slot_mapping, kv[:t])
                 if comp is not None:
-                    _compress(layer, *comp, view, want, cfg.rms_eps)
+                    _compress(layer, *comp, view.num_tokens, view.slot_mapping, view.derived[COMP_SLOTS].view(-1),
+                              want, cfg.rms_eps)
                     comp = (*comp, got.raw.get(layer), got.glob[layer], view.derived[COMP_SLOTS].view(-1), cfg.rms_eps)
                 cache_triton.write(kv, got.swa[layer], view.slot_mapping, t, comp)
         # fp32: the same math up to the order of one row's sum; bf16: a rounding apart

@@ -105,24 +105,25 @@ def test_eager_model_matches_the_reference(models):
     assert {slot for slot, _ in planned} == {"main"}  # the uncompiled model reads the whole batch
 
 
-def test_only_the_triton_kernel_gets_row_blocks_in_its_batches(models, monkeypatch):
-    """The Triton kernel's row blocks are built with every batch of a runner whose
-    attention is that kernel, and with no other's: FlashInfer and the reference never
-    read them, and building them is host time before a step's first kernel."""
+def test_flashinfer_batches_get_no_row_blocks(models, monkeypatch):
+    """The row blocks are built with every batch of a runner whose attention reads
+    them (the Triton kernel, and the reference attention inside FULL graphs), and not
+    with FlashInfer's, which never reads them: building them is host time before a
+    step's first kernel."""
     from replay_backend.reference import attention_ops, attention_triton
 
     ref, fim = models
     reqs = [RequestChunk("a", 100, 100), RequestChunk("b", 9, 9)]
-    for model in (ref, fim):
+    for model, blocks in ((ref, True), (fim, False)):
         runner = _runner(model)
         for batch in (runner.build_batch(reqs), runner.dummy_batch(70)):
-            assert attention_ops.ATTN_BLOCKS not in batch.view.derived
-            assert attention_ops.ATTN_BLOCKS not in batch.replay.view.derived
+            assert (attention_ops.ATTN_BLOCKS in batch.view.derived) is blocks
+            assert (attention_ops.ATTN_BLOCKS in batch.replay.view.derived) is blocks
     monkeypatch.setattr(attention_triton, "available", lambda: True)
     assert attention_ops.view_fields("triton", "cpu") is attention_ops.VIEW_FIELDS
     assert attention_ops.view_fields("auto", "cuda") is attention_ops.VIEW_FIELDS
+    assert attention_ops.view_fields("auto", "cpu") is attention_ops.VIEW_FIELDS
     # the model's own compressed slots, whatever attends
-    assert attention_ops.view_fields("auto", "cpu") == attention_ops.COMP_FIELD
     assert attention_ops.view_fields("flashinfer", "cuda") == attention_ops.COMP_FIELD
 
 

@@ -13,6 +13,8 @@ from replay_backend.reference.runner import StepRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+# Eight layers (W = 128): a shorter compile than the 40-layer preset, the same kinds of layer.
+CFG = preset("tiny").with_layers(8, (1, 3))
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 # Decodes at c1 and c8, speculative decodes, a mixed step below the threshold, a
 # trimming step, a lone decode after it, and steps with fewer requests than the one
@@ -32,7 +34,7 @@ def _runner(model, **opts):
 
 
 def test_full_steps_match_the_oracle_with_triton_attention_inside_the_graph():
-    model = build_model(preset("tiny"), "cuda", torch.float32)
+    model = build_model(CFG, "cuda", torch.float32)
     runner, summary = _runner(model, strict=True)
     oracle = StepRunner(model, max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=2048)
     assert summary["full"]["graphs"] == len([s for s in SIZES if s < 768]) and summary["main"]["graphs"] > 0
@@ -49,7 +51,7 @@ def test_a_full_step_and_the_same_step_in_pieces_agree_to_the_bit():
     """fp32: the FULL graph runs the very kernels the pieces and the eager attention
     run, on the same graph layout; a twin whose FULL graphs are dropped runs every
     such step in pieces (a counted fallback)."""
-    model = build_model(preset("tiny"), "cuda", torch.float32)
+    model = build_model(CFG, "cuda", torch.float32)
     full, _ = _runner(model)
     pieces, _ = _runner(model)
     pieces.backend.model.full.graphs.clear()
@@ -69,7 +71,7 @@ def test_serving_soak_with_full_graphs_has_no_mismatch():
     oracle, FULL steps among them."""
     from replay_backend.reference.soak import soak
 
-    report = soak(build_model(preset("tiny"), "cuda", torch.float32), 150, seed=13, max_num_seqs=8,
+    report = soak(build_model(CFG, "cuda", torch.float32), 150, seed=13, max_num_seqs=8,
                   max_model_len=4096, max_num_batched_tokens=2048,
                   options={"cudagraph_mode": "full_and_piecewise"})
     print(report.render())

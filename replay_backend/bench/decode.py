@@ -31,7 +31,7 @@ from ..reference.runner import StepRunner
 from ..requests import RequestChunk
 from ..tracing.dynamic import call_dynamic
 from .cuda_tracing import CudaTracing
-from .profile import NoKernelsRecorded, kernel_floor_ms
+from .profile import NoKernelsRecorded, kernel_floor_ms, profile_to
 
 OURS = {"piecewise": {"cudagraph_mode": "piecewise"},
         "full_and_piecewise": {"cudagraph_mode": "full_and_piecewise"}}
@@ -47,6 +47,9 @@ class DecodeRun:
     build_s: float = 0.0  # trace, compile and capture
     capture: dict = field(default_factory=dict)  # per level: graphs, sizes, seconds, GiB
     tpot_ms: dict = field(default_factory=dict)  # "context/conc" -> median step ms
+    # "context/conc" -> ms per step of steps queued back to back, one sync at the end: a
+    # server whose host prepares the next step while the GPU runs this one
+    pipelined_ms: dict = field(default_factory=dict)
     floor_ms: dict = field(default_factory=dict)  # "context/conc" -> kernel ms of one step
     kinds: dict = field(default_factory=dict)  # "context/conc" -> the step kind it ran as
     mixed_ms: dict = field(default_factory=dict)  # "tokens" -> median step ms
@@ -73,16 +76,27 @@ class Mode:
         self.seq.update({rid: context for rid in ids})
         return ids
 
-    def decode(self, ids: list[str]):
+    def decode(self, ids: list[str], synced: bool = True):
         reqs = []
         for rid in ids:
             self.seq[rid] += 1
             reqs.append(RequestChunk(rid, 1, self.seq[rid]))
-        sync()
+        if synced:
+            sync()
         t0 = time.perf_counter()
         out = self.runner.step(reqs)
-        sync()
+        if synced:
+            sync()
         return (time.perf_counter() - t0) * 1e3, out
+
+    def pipelined(self, ids: list[str], steps: int) -> float:
+        """ms per step of ``steps`` decode steps queued back to back."""
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.decode(ids, synced=False)
+        sync()
+        return (time.perf_counter() - t0) * 1e3 / steps
 
     def end(self, ids: list[str]) -> None:
         for rid in ids:
@@ -125,6 +139,10 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
             times[id(m)].append(m.decode(live[id(m)])[0])
     for m in modes:
         m.run.tpot_ms[point] = statistics.median(times[id(m)])
+        m.run.pipelined_ms[point] = m.pipelined(live[id(m)], args.steps)
+        if args.profile_out and point in args.profile_points:
+            profile_to(args.profile_out, f"{m.run.mode} decode {point}", lambda: m.decode(live[id(m)])[0],
+                       None, tracing)
         if torch.cuda.is_available():
             try:
                 m.run.floor_ms[point] = kernel_floor_ms(lambda: m.decode(live[id(m)])[0], tracing)
@@ -132,6 +150,7 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
                 print(f"{m.run.mode} {point}: no floor: {e}", flush=True)
         m.end(live[id(m)])
     print(f"decode {point}: " + ", ".join(f"{m.run.mode} {m.run.tpot_ms[point]:.2f} ms "
+                                          f"(queued {m.run.pipelined_ms[point]:.2f}) "
                                           f"(floor {m.run.floor_ms.get(point, float('nan')):.2f}, "
                                           f"{m.run.kinds.get(point)})" for m in modes), flush=True)
 
@@ -230,6 +249,8 @@ def render(report: dict) -> str:
              f"{report['steps']} steps", "", "| context/conc | " + " | ".join(
                  f"{r['mode']} ms (floor, x floor)" for r in res) + " | piecewise / full_and_piecewise |",
              "|---|" + "---|" * (len(res) + 1)]
+    queued = ["", "steps queued back to back (one sync at the end), ms per step", "",
+              "| context/conc | " + " | ".join(r["mode"] for r in res) + " |", "|---|" + "---|" * len(res)]
     full = next((r for r in res if r["mode"] == "full_and_piecewise"), None)
     for point in (base or res[0])["tpot_ms"] if res else []:
         cells = []
@@ -239,6 +260,9 @@ def render(report: dict) -> str:
         gain = (f"{base['tpot_ms'][point] / full['tpot_ms'][point]:.2f}x" if base and full
                 and point in full["tpot_ms"] else "")
         lines.append(f"| {point} | " + " | ".join(cells) + f" | {gain} |")
+        queued.append(f"| {point} | " + " | ".join(f"{r['pipelined_ms'].get(point, float('nan')):.2f}" for r in res)
+                      + " |")
+    lines += queued
     for title, key in (("mixed step, tokens", "mixed_ms"), ("prefill TTFT c1, ISL", "ttft_ms")):
         lines += ["", f"| {title} | " + " | ".join(f"{r['mode']} ms" for r in res) + " |",
                   "|---|" + "---|" * len(res)]
@@ -268,6 +292,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=cli_args.int_arg(1), default=3)
     p.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1), default=8192)
     p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
+    p.add_argument("--profile-points", type=cli_args.profile_points, default=[],
+                   help="CONTEXT/CONC points to profile, e.g. 1024/8")
 
 
 def main(argv=None) -> int:

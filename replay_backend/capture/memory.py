@@ -33,10 +33,10 @@ class GraphMemoryEstimate:
     kept_bytes: int  # outputs alive across the trim op, summed over the main sizes
     replay_peak_bytes: int  # the region at the largest replay size
     graphs: int  # graphs capture() will take (sizes x graph pieces, both levels)
-    full_graphs: int = 0  # FULL graphs capture() will take, one per FULL size
-    full_output_bytes: int = 0  # their outputs, which each keeps (summed over the FULL sizes)
     per_graph_bytes: int
     total_bytes: int
+    full_graphs: int = 0  # FULL graphs capture() will take, one per FULL size
+    full_output_bytes: int = 0  # their outputs, which each keeps (summed over the FULL sizes)
 
     @property
     def total_gib(self) -> float:

@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from ..config import ReplayConfig
+from ..fallbacks import Fallback
 from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
 from .decide import Sizes, StepKind, StepPlan, plan_step
@@ -149,6 +150,11 @@ class CompiledReplayModel:
         use_graphs = ctx is None or ctx.use_graphs
         batch = ctx.batch if ctx is not None else None
         full = self.full_policy is not None and batch is not None and self.full_policy.admits(batch)
+        if full and batch.metadata is not self.full_policy.metadata:
+            self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but built outside the "
+                              "backend's metadata buffer runs in pieces (a FULL graph reads the buffer): build it "
+                              "with the compiled model's build_batch")
+            full = False
         agreement = None
         if self.dp_group is not None and not self.res.lifecycle.capturing_main:
             agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
