@@ -66,7 +66,7 @@ for step in "$@"; do
                fi ;;
         check) cmd=(python3 scripts/flashinfer_check.py "${argv[@]}") ;;
         pytest) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider "${argv[@]}") ;;
-        decode) cmd=(python3 -m replay_backend.bench.decode --out "$out/decode$n.json" "${argv[@]}") ;;
+        decode) cmd=(replay-backend decode-bench --out "$out/decode$n.json" "${argv[@]}") ;;
         *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, decode)" >&2
            exit 2 ;;
     esac

@@ -462,3 +462,25 @@ def test_trims_by_step_takes_each_place_in_a_run_over_the_runs_that_reach_it():
     runs = [[10.0, 50.0, 90.0], [20.0, 40.0], [30.0, 60.0, 70.0]]
     assert bench_timing.trims_by_step(runs) == [20.0, 50.0, 80.0]
     assert bench_timing.trims_by_step([]) == []
+
+
+def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys):
+    """``replay-backend decode-bench`` on a four-layer tiny model: the decode points run
+    PIECEWISE under piecewise and FULL under full_and_piecewise, with the same logits
+    (fp32), and the report holds every point of both modes."""
+    out = tmp_path / "decode.json"
+    rc = cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
+                   "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", "1,2",
+                   "--mixed", "24", "--prefill-isl", "64", "--steps", "2", "--runs", "1", "--warmup", "1",
+                   "--max-num-batched-tokens", "128", "--modes", "piecewise,full_and_piecewise", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    runs = {r["mode"]: r for r in report["results"]}
+    assert runs["piecewise"]["kinds"] == {"40/1": "piecewise", "40/2": "piecewise"}
+    assert runs["full_and_piecewise"]["kinds"] == {"40/1": "full", "40/2": "full"}
+    assert runs["full_and_piecewise"]["capture"]["full"]["graphs"] > 0
+    for r in runs.values():
+        assert not r["error"] and set(r["tpot_ms"]) == set(r["pipelined_ms"]) == {"40/1", "40/2"}
+        assert set(r["mixed_ms"]) == {"24"} and set(r["ttft_ms"]) == {"64"}
+        assert max(r["max_abs_err_vs_first"].values()) < 1e-4
+    assert "| 40/2 |" in capsys.readouterr().out

@@ -295,23 +295,3 @@ def add_arguments(p) -> None:
     p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
     p.add_argument("--profile-points", type=cli_args.profile_points, default=[],
                    help="CONTEXT/CONC points to profile, e.g. 1024/8")
-
-
-def main(argv=None) -> int:
-    import json
-
-    from ..reference.cli_args import Parser
-
-    p = Parser(prog="replay-backend decode-bench", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    report = run_decode_bench(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    print(render(report))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

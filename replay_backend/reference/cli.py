@@ -12,6 +12,7 @@ import torch
 
 from ..compat import dynamo as compat_dynamo
 from ..bench import ranks as bench_ranks
+from ..bench import decode as decode_bench
 from ..bench import run as bench
 from ..backend import ReplayBackend
 from . import cli_args
@@ -262,7 +263,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile-only", action="store_true",
                    help="only trace and build the replay mode, print the seconds (cold/warm compile)")
     b.set_defaults(fn=cmd_bench)
+    d = sub.add_parser("decode-bench", help="time per decode step (TPOT) of each graph mode (GPU)")
+    decode_bench.add_arguments(d)
+    d.set_defaults(fn=cmd_decode_bench)
     return p
+
+
+def cmd_decode_bench(args) -> int:
+    """The decode bench (bench/decode.py); its table printed, its report to --out."""
+    model_config(args.preset, args.model_option)  # a bad preset or option, before any model is built
+    if args.out:
+        cli_args.check_file(args.out, "--out")
+    if args.profile_out:
+        cli_args.check_file(args.profile_out, "--profile-out")
+    report = decode_bench.run_decode_bench(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(decode_bench.render(report))
+    return 0 if all(not r["error"] for r in report["results"]) else 1
 
 
 def _write_report(args, reports: list[dict]) -> str:
