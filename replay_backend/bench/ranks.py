@@ -143,20 +143,6 @@ def make_groups(topo: Topology, rank: int) -> Ranks:
     return Ranks(topo, rank, par, backend_groups, world_group)
 
 
-@contextlib.contextmanager
-def shared_groups_in_copies():
-    """Copies of a sharded model (the accuracy gate's fp32 copies) run on the same ranks
-    and groups: a process group cannot be copied, so the copies share the original's."""
-    if "__deepcopy__" in vars(Parallel):  # Parallel copies as itself already
-        yield
-        return
-    Parallel.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        del Parallel.__deepcopy__
-
-
 def agreement_us(ranks: Ranks, calls: int = AGREE_CALLS) -> float:
     """Median host time of one per-step agreement (dispatch/agree.py) on the backend's
     data-parallel group, in us; every rank calls it."""

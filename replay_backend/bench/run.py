@@ -11,7 +11,6 @@ stock ``reduce-overhead`` peer runs after them on its own.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import json
@@ -35,7 +34,7 @@ from ..reference import build_model
 from ..compiling.piece_cache import PieceCache
 from ..reference.parallel import shard
 from ..reference.runner import StepRunner
-from .ranks import Ranks, agreement_us, shared_groups_in_copies
+from .ranks import Ranks, agreement_us
 
 MODE_OPTIONS = {
     "off": {"cudagraph_mode": "none", "decoder_replay": False},
@@ -205,8 +204,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     check_len = check_tokens(shapes)
     t0 = time.perf_counter()
     reference = StepRunner(model, **kw).prefill({CHECK: check_len})[CHECK]
-    with shared_groups_in_copies() if ranks is not None else contextlib.nullcontext():
-        gate = yardstick(model, reference, check_len, args.max_num_batched_tokens, fp32_results)
+    gate = yardstick(model, reference, check_len, args.max_num_batched_tokens, fp32_results)
     print(f"check prompt: {check_len} tokens, plain model and fp32 copies in {time.perf_counter() - t0:.1f} s; "
           f"rel L2 to the fp32 copy: plain {gate.plain_err:.3g}, rounding noise {gate.noise_err:.3g}, "
           f"a mode drifts above {gate.limit:.3g}", flush=True)

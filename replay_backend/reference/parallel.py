@@ -53,6 +53,11 @@ class Parallel:
     dp_group: Any = None
     enable_expert_parallel: bool = False
 
+    def __deepcopy__(self, memo) -> "Parallel":
+        """A copy of a sharded model (an fp32 copy, say) runs on the same ranks and groups:
+        a process group is a handle to them, not a thing to copy."""
+        return self
+
     @property
     def exchanges(self) -> bool:
         """The MoE exchanges tokens between DP ranks (DEP); with a group of one rank too,
