@@ -78,3 +78,27 @@ def test_serving_soak_with_full_graphs_has_no_mismatch():
     assert report.mismatches == [] and not report.counters_moved.get("fallbacks"), report.render()
     assert any(k.startswith("full/") for k in report.kinds), report.kinds
     assert any(k.startswith("piecewise/trimmed") for k in report.kinds), report.kinds
+
+
+def test_an_own_model_serves_full_graphs_on_cuda_with_inductor_pieces():
+    """A model written against the public API alone (tests/full_toy.py), its attention
+    declared ALWAYS and reading only the graph layout: real FULL graphs with Inductor
+    pieces, lone one-token decodes among the steps, each against its eager run."""
+    import replay_backend
+    from full_toy import ToyModel, toy_cache
+    from own_server import OwnServer
+    from test_full_graphs import TOY_LEN, TOY_OPTS, TOY_STEPS, toy_step
+
+    model = ToyModel("always").to("cuda").eval()
+    opts = {**TOY_OPTS, "compiler": "inductor", "cudagraph_mode": "full_and_piecewise", "strict": True}
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=opts)
+    server = OwnServer(model, toy_cache, compiled, max_model_len=TOY_LEN, max_num_seqs=4)
+    summary = server.serve()
+    oracle = OwnServer(model, toy_cache, max_model_len=TOY_LEN, max_num_seqs=4)
+    assert summary["full"]["graphs"] == len(TOY_OPTS["cudagraph_capture_sizes"])
+    kinds = []
+    for step in TOY_STEPS:
+        result, err = toy_step(server, oracle, step)
+        kinds.append(result.kind.value)
+        assert err <= 1e-4, (step, result, err)
+    assert kinds.count("full") == len(TOY_STEPS), kinds
