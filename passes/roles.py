@@ -44,8 +44,8 @@ class CudagraphSupport(enum.IntEnum):
 
     * ``ALWAYS``: any batch. Inside the graph it reads only the fixed-layout device
       metadata of ``AttnView.graph`` (``GraphFields``), never a host value of the step.
-    * ``UNIFORM_DECODE``: batches whose requests all have the same short query length
-      (``uniform_decode_query_len``).
+    * ``UNIFORM_DECODE``: batches whose requests all have exactly
+      ``uniform_decode_query_len`` tokens, the length the graphs are captured at.
     * ``NEVER``: it plans on the host or launches per step: only between pieces."""
 
     NEVER = 0
@@ -77,7 +77,7 @@ def declare(op, *roles: OpRole) -> None:
     setattr(packet, _ATTR, frozenset(getattr(packet, _ATTR, frozenset())) | frozenset(roles))
 
 
-def declare_attention(*ops, kv_source: bool = False, cudagraph_support=CudagraphSupport.NEVER) -> None:
+def declare_attention(*ops, kv_source: bool = False, cudagraph_support=None) -> None:
     """Declare attention ops (``torch.ops.ns.name``, ``"ns::name"`` or what
     ``torch.library.custom_op`` returned): eager breaks
     between graph pieces, the default ``splitting_ops``; with ``kv_source`` they also
@@ -85,13 +85,16 @@ def declare_attention(*ops, kv_source: bool = False, cudagraph_support=Cudagraph
 
     ``cudagraph_support``: a :class:`CudagraphSupport`, or a callable that returns one
     for the model's ``StepSetup`` (when it depends on the implementation the setup's
-    caches select), asked once when the graphs are captured."""
-    if not (isinstance(cudagraph_support, CudagraphSupport) or callable(cudagraph_support)):
+    caches select), asked once when the graphs are captured. None leaves what an
+    earlier declaration said (``NEVER`` where none did)."""
+    if cudagraph_support is not None and not (isinstance(cudagraph_support, CudagraphSupport)
+                                              or callable(cudagraph_support)):
         raise ValueError(f"declare_attention(cudagraph_support=...) takes a CudagraphSupport or a callable of the "
                          f"StepSetup returning one, got {cudagraph_support!r}")
     for op in ops:
         declare(op, OpRole.ATTENTION, *((OpRole.KV_SOURCE,) if kv_source else ()))
-        setattr(_packet(op), _SUPPORT, cudagraph_support)
+        if cudagraph_support is not None:
+            setattr(_packet(op), _SUPPORT, cudagraph_support)
 
 
 def cudagraph_support_of(target, setup) -> CudagraphSupport:

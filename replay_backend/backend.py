@@ -26,6 +26,7 @@ from .config import ReplayConfig
 from .counters import counters
 from .dispatch.compiled import CompiledReplayModel
 from .batch import build_step_batch
+from .dispatch.decide import StepKind
 from .dispatch.direct import CallLog
 from .dispatch.full_policy import lowest_support, resolve
 from .forward_context import has_forward_context, set_forward_context
@@ -133,16 +134,15 @@ class ReplayBackend:
         :meth:`start_serving` comes next."""
         life = self.lifecycle
         life.expect("capture", Phase.WARMING)
-        for group in (self.dp_group, self.tp_group):
-            if group is not None:
-                check_same_schedule(self.model, group)
         if not callable(setup):
             if replay_view_for is not None or metadata is not None:
                 raise TypeError("capture(setup) takes the StepSetup alone")
             setup = self.use(setup)
             model = self._learned_model("capture")
             metadata = self._metadata_buffer(setup)
+            # The FULL sizes first: they are part of the schedule the ranks compare.
             run_full = self._full_capture_step(model, setup, metadata)
+            self._check_same_schedule()
             with set_forward_context(setup.context(setup.dummy_batch(setup.window))):
                 summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata, run_full)
         else:
@@ -150,6 +150,8 @@ class ReplayBackend:
                 self.model.res.fallback(Fallback.CUDAGRAPH_MODE, f"cudagraph_mode={self.config.cudagraph_mode!r}: "
                                         "capture(run_step, replay_view_for) captures no FULL graph; pass the model's "
                                         "StepSetup to capture() for them")
+                self.model.use_full_policy(None)
+            self._check_same_schedule()
             if replay_view_for is None:
                 raise TypeError("capture(run_step, replay_view_for): the replay view builder is missing")
             if not has_forward_context():
@@ -164,6 +166,11 @@ class ReplayBackend:
         elif graphs == 0:
             log.info("dsv41_replay: capture() captured no graph: cudagraph_mode='none'")
         return summary
+
+    def _check_same_schedule(self) -> None:
+        for group in (self.dp_group, self.tp_group):
+            if group is not None:
+                check_same_schedule(self.model, group)
 
     def _capture(self, run_step, replay_view_for, metadata, run_full=None) -> dict:
         life = self.lifecycle
@@ -240,18 +247,21 @@ class ReplayBackend:
 
     def idle_step(self) -> None:
         """A step for a data-parallel rank with no requests: a dummy step of one token
-        (its KV writes to the pad slot), padded to the size the ranks agree on, so that
-        the collectives inside the other ranks' steps meet this rank's."""
+        (one uniform decode's under a uniform-only FULL policy; its KV writes to the pad
+        slot), padded to the size the ranks agree on, so that the collectives inside the
+        other ranks' steps meet this rank's."""
         if self.setup is None:
             raise RuntimeError("dsv41_replay: idle_step() needs the model's StepSetup: pass it to capture() or "
                                "start_serving()")
         model = self._learned_model("idle_step")
         policy = model.full_policy
-        # Laid out as a served decode is: an idle rank keeps the others' FULL steps FULL.
-        batch = dict(graph_rows=policy.rows, metadata=self.metadata) \
-            if policy is not None and self.metadata is not None and self.lifecycle.serving else {}
+        tokens, batch = 1, {}
+        if policy is not None and self.lifecycle.serving:
+            # A served decode's layout and length: an idle rank keeps the others' FULL steps FULL.
+            tokens = policy.uniform_len or 1
+            batch = dict(graph_rows=policy.rows, metadata=self.metadata, per_request=tokens)
         with torch.no_grad():
-            run_dummy(model, self.setup, 1, **batch)
+            run_dummy(model, self.setup, tokens, **batch)
 
     @property
     def last_step(self):
@@ -303,12 +313,16 @@ class ReplayBackend:
         if policy is None:
             return None
         shapes = policy.dummy_shapes(setup.layout.num_blocks)
-        policy = dataclasses.replace(policy, sizes=tuple(shapes)) if shapes else None
+        policy = dataclasses.replace(policy, sizes=tuple(shapes), rows=max(shapes)) if shapes else None
         model.use_full_policy(policy)
 
         def run(n: int) -> None:
             tokens, per_request = shapes[n]
             run_dummy(model, setup, tokens, graph_rows=policy.rows, metadata=metadata, per_request=per_request)
+            ran = model.last_plan
+            if (ran.kind, ran.padded_tokens) != (StepKind.FULL, n):  # the policy and its dummy disagree
+                raise RuntimeError(f"dsv41_replay: capture's dummy step for FULL size {n} ran as {ran.kind.value} "
+                                   f"at {ran.padded_tokens}")
         return run if policy is not None else None
 
     def _metadata_buffer(self, setup) -> MetadataBuffer | None:

@@ -125,8 +125,8 @@ class ReplayConfig:
     compiler: str = "inductor"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
-    # A uniform decode batch: every request has the same query length, at most this
-    # (1 + speculative tokens). Steps of FULL graphs under full_decode_only, or with
+    # A uniform decode batch: every request has exactly this many tokens (1 +
+    # speculative tokens). Steps of FULL graphs under full_decode_only, or with
     # attention that supports only those.
     uniform_decode_query_len: int = 1
     strict: bool = False  # fallbacks raise instead of being logged and counted
@@ -324,9 +324,14 @@ class ReplayConfig:
         if trims:
             sizes = [s for s in sizes if s < self.decoder_replay_trim_threshold]
         if self.cudagraph_mode == "full_decode_only":
-            cap = padded_size(sizes, self.max_num_seqs * self.uniform_decode_query_len)
-            sizes = [s for s in sizes if cap is None or s <= cap]
+            sizes = self.uniform_decode_sizes(sizes)
         return sizes
+
+    def uniform_decode_sizes(self, sizes: list[int]) -> list[int]:
+        """Of ``sizes``, those a uniform decode of at most ``max_num_seqs`` requests
+        pads to: up to the first that holds ``max_num_seqs * uniform_decode_query_len``."""
+        cap = padded_size(sizes, self.max_num_seqs * self.uniform_decode_query_len)
+        return [s for s in sizes if cap is None or s <= cap]
 
     @property
     def max_capture_size(self) -> int:

@@ -15,7 +15,10 @@ from __future__ import annotations
 def schedule(model) -> dict:
     """What a compiled model will capture, in the order it will: its sizes and pieces."""
     plan = model.plan
+    full = model.full_policy
     return {
+        "FULL sizes (largest first)": sorted(full.sizes, reverse=True) if full is not None else [],
+        "FULL batches": ("uniform decodes" if full.uniform_only else "any") if full is not None else None,
         "main sizes (largest first)": sorted(model.main_level.sizes, reverse=True),
         "replay sizes (largest first)": sorted(model.replay.level.sizes, reverse=True) if model.replay else [],
         "main pieces": [p.kind for p in plan.main_pieces],

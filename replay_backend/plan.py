@@ -134,7 +134,7 @@ def runner_stats(compiled) -> dict[str, RunnerStats]:
         out[name] = RunnerStats(len(runners), compiled.captured_sizes(name),
                                 sum(len(r.graphs) for r in runners), dict(compiled.dispatch[name]),
                                 summary.get("seconds"), summary.get("gib"))
-    if compiled.full_sizes:
+    if compiled.full_policy is not None or compiled.full.graphs:
         summary = compiled.capture_summary.get("full", {})
         graphs = sorted(compiled.full.graphs)
         out["full"] = RunnerStats(1, graphs, len(graphs), dict(compiled.dispatch["full"]), summary.get("seconds"),

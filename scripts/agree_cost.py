@@ -1,5 +1,5 @@
 """The host cost of the data-parallel ranks' per-step agreement (dispatch/agree.py): one
-gloo all-reduce (max) of four integers, timed on RANKS local processes.
+gloo all-reduce (max) of five integers, timed on RANKS local processes.
 
     .venv/bin/python scripts/agree_cost.py [--ranks 2] [--calls 2000]
 

@@ -222,18 +222,14 @@ def test_a_batch_laid_out_for_full_graphs_outside_the_metadata_buffer_runs_in_pi
     assert (result.kind, result.padded_tokens) == (PIECEWISE, 8)
 
 
-@pytest.mark.parametrize("check_every_replay", [False, True])
-def test_a_full_step_whose_metadata_is_not_where_the_graph_reads_is_refused_naming_the_field(check_every_replay):
+def test_a_batch_laid_out_for_other_rows_runs_in_pieces():
     """A batch in the backend's metadata buffer but laid out for more rows than the
-    FULL sizes' layout: its fields sit at other offsets, which the graph would not
-    read. The first replay of a size checks the addresses, every replay with
-    debug_check_addresses."""
-    server, _, oracle = toy_served("always", cudagraph_mode="full_and_piecewise", strict=True,
-                                   debug_check_addresses=check_every_replay)
+    FULL graphs read: its fields sit at other offsets, so its step runs in pieces, as
+    the counted fallback metadata_in_place, and is right."""
+    server, _, oracle = toy_served("always", cudagraph_mode="full_and_piecewise")
     compiled = server.compiled
-    if check_every_replay:  # size 8 has replayed once, rightly
-        result, err = toy_step(server, oracle, [R("a", 5, 5)])
-        assert (result.kind, result.padded_tokens) == (FULL, 8) and err <= 1e-5
+    result, err = toy_step(server, oracle, [R("a", 5, 5)])  # size 8 has replayed once, rightly
+    assert (result.kind, result.padded_tokens) == (FULL, 8) and err <= 1e-5
     step = [R("b", 6, 6)]
     backend = compiled.backend
     batch = build_step_batch(step, [server.default_tokens(r) for r in step], [server.block("b")], server.layout,
@@ -241,9 +237,40 @@ def test_a_full_step_whose_metadata_is_not_where_the_graph_reads_is_refused_nami
                              view_fields=server.setup.view_fields, inputs_in_metadata=compiled.direct,
                              metadata=backend.metadata)
     with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
+        with counters.expect(strict=False, fallbacks={"metadata_in_place": 1}):
+            compiled(batch.input_ids, batch.positions)
+    assert (compiled.last_step.kind, compiled.last_step.padded_tokens) == (PIECEWISE, 8)
+
+
+@pytest.mark.parametrize("replayed_before", [False, True])
+def test_a_full_step_whose_metadata_is_not_where_the_graph_reads_is_refused_naming_the_field(replayed_before):
+    """A FULL graph checks on every replay that the step's metadata sits where it
+    reads: here a batch whose slots were moved after it was built."""
+    import dataclasses
+
+    server, _, oracle = toy_served("always", cudagraph_mode="full_and_piecewise", strict=True)
+    compiled = server.compiled
+    if replayed_before:  # size 8 has replayed once, rightly
+        result, err = toy_step(server, oracle, [R("a", 5, 5)])
+        assert (result.kind, result.padded_tokens) == (FULL, 8) and err <= 1e-5
+    step = [R("b", 6, 6)]
+    batch = compiled.build_batch(step, [server.default_tokens(r) for r in step], [server.block("b")])
+    moved = dataclasses.replace(batch.graph, slot_mapping=batch.graph.slot_mapping.clone())
+    batch = dataclasses.replace(batch, graph=moved)
+    with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
         with pytest.raises(RuntimeError, match=r"FULL graph \[8\]: the step's slot_mapping is at .* it would read "
                                                r"another step's metadata"):
             compiled(batch.input_ids, batch.positions)
+
+
+def test_a_full_step_moves_the_counters_as_a_graph_replay_does(model):
+    """A FULL step on the CPU counts what it counts on a GPU, where its replay runs no
+    host code: not the trim op's work, which ran once, at capture."""
+    rc = runner(model, cudagraph_mode="full_and_piecewise", strict=True)
+    rc.capture()
+    rc.step([R("a", 20, 20)])
+    with counters.expect(strict=True):
+        assert rc.step([R("a", 1, 21)]).result.kind is FULL
 
 
 # ---- downgrades: the attention decides ----------------------------------------------
@@ -339,16 +366,17 @@ def test_full_runs_steps_below_the_threshold_full_and_a_trimming_step_eagerly(mo
 
 # ---- data parallelism ----------------------------------------------------------------
 # Per step, rank 0's requests and rank 1's, and the kind and size both run at. The
-# attention supports UNIFORM_DECODE, uniform_decode_query_len=4: FULL sizes 1 .. 16
-# (4 requests of 4 tokens), for batches whose requests have one query length of <= 4.
+# attention supports UNIFORM_DECODE, uniform_decode_query_len=2 (one draft token): FULL
+# sizes 2, 4 and 8 (up to 4 requests of 2 tokens), for batches whose requests all have
+# exactly 2 tokens.
 DP_STEPS = [
     (([R("a", 20, 20), R("b", 6, 6)], [R("c", 10, 10)]), PIECEWISE, 32),  # prompts
-    (([R("a", 1, 21), R("b", 1, 7)], [R("c", 1, 11)]), FULL, 2),  # decodes on both
-    (([R("a", 2, 23), R("b", 2, 9)], [R("c", 2, 13)]), FULL, 4),  # two tokens each: uniform
-    (([R("a", 1, 24), R("b", 1, 10)], [R("c", 1, 14), R("d", 3, 3)]), PIECEWISE, 4),  # rank 1 not uniform
-    (([R("a", 1, 25)], [R("c", 1, 15), R("d", 1, 4)]), FULL, 2),
-    (([R("a", 1, 26)], [R("e", 20, 20)]), PIECEWISE, 32),  # rank 1 above the largest FULL size
-    (([R("a", 1, 27)], None), FULL, 1),  # rank 1 idle: its dummy step is laid out as a decode
+    (([R("a", 2, 22), R("b", 2, 8)], [R("c", 2, 12)]), FULL, 4),  # two-token decodes on both
+    (([R("a", 1, 23), R("b", 1, 9)], [R("c", 1, 13)]), PIECEWISE, 2),  # one token each: not the length
+    (([R("a", 2, 25), R("b", 2, 11)], [R("c", 2, 15), R("d", 3, 3)]), PIECEWISE, 8),  # rank 1 not uniform
+    (([R("a", 2, 27)], [R("c", 2, 17), R("d", 2, 5)]), FULL, 4),
+    (([R("a", 2, 29)], [R("e", 20, 20)]), PIECEWISE, 32),  # rank 1 above the largest FULL size
+    (([R("a", 2, 31)], None), FULL, 2),  # rank 1 idle: its dummy step is laid out as a decode
 ]
 
 
@@ -364,7 +392,7 @@ def _serve_dp(rank: int, world: int) -> list:
     group = dist.group.WORLD
     par = Parallel(dp_size=world, dp_rank=rank, dp_group=group, enable_expert_parallel=True)
     oracle_model, model = build_model(CFG), shard(build_model(CFG), par)
-    be = ReplayBackend(**OPTS, cudagraph_mode="full_and_piecewise", uniform_decode_query_len=4, dp_group=group)
+    be = ReplayBackend(**OPTS, cudagraph_mode="full_and_piecewise", uniform_decode_query_len=2, dp_group=group)
     rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, backend=be)
     ro = StepRunner(oracle_model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
     summary = rc.capture()
@@ -389,10 +417,35 @@ def test_data_parallel_ranks_run_full_only_when_every_ranks_batch_can():
     single-process model."""
     per_rank = run_ranks(_serve_dp, 2, timeout=120)
     for sizes, graphs, fallbacks, *steps, after in per_rank:
-        assert sizes == (1, 2, 4, 8, 16) and graphs == 5
+        assert sizes == (2, 4, 8) and graphs == 3
         assert fallbacks == {"cudagraph_mode": 1} and after == fallbacks  # the downgrade only
         for (kind, padded, err, kv), (_, want_kind, want_padded) in zip(steps, DP_STEPS):
             assert (kind, padded) == (want_kind, want_padded) and err <= TOL and kv <= TOL, (kind, padded, err, kv)
+
+
+def _capture_with_blocks(rank: int, world: int) -> str:
+    """Rank 0 with 4 cache blocks, rank 1 with 2: under full_decode_only their FULL sizes
+    differ (a uniform decode of 4 requests fits rank 0's only)."""
+    from replay_backend.reference.parallel import Parallel, shard
+
+    group = dist.group.WORLD
+    model = shard(build_model(CFG), Parallel(dp_size=world, dp_rank=rank, dp_group=group,
+                                             enable_expert_parallel=True))
+    be = ReplayBackend(**OPTS, cudagraph_mode="full_decode_only", dp_group=group)
+    rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4 - 2 * rank, backend=be)
+    try:
+        rc.capture()
+    except ValueError as e:
+        return str(e)
+    return "captured"
+
+
+def test_ranks_whose_full_graphs_would_differ_are_refused_before_capture():
+    """The FULL sizes are part of the capture schedule the ranks compare: ranks that
+    would capture different FULL graphs (whose collectives would not meet) are told
+    so, naming the first difference, before any graph is captured."""
+    for message in run_ranks(_capture_with_blocks, 2, timeout=120):
+        assert "the ranks would capture different graphs" in message and "FULL sizes" in message, message
 
 
 # ---- options -------------------------------------------------------------------------

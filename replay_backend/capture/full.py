@@ -18,7 +18,6 @@ CPU exactly as its kernels would on a GPU, and the tests against the oracle see 
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Callable
 
 import torch
@@ -26,9 +25,12 @@ import torch
 from ..counters import counters
 from ..fallbacks import Fallback
 from ..forward_context import set_forward_context
-from .graphs import GraphResources, _tensors, collection_paused
+from .graphs import GraphResources, capture_into, collection_paused, copy_outputs
 
-log = logging.getLogger("replay_backend")
+
+
+def _pointers(args: list) -> list:
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
 
 
 def watched(view) -> list[tuple[str, torch.Tensor]]:
@@ -38,24 +40,20 @@ def watched(view) -> list[tuple[str, torch.Tensor]]:
 
 
 class FullGraph:
-    """One whole step at ``size`` padded tokens, captured (or emulated)."""
+    """One whole step at ``size`` padded tokens, captured (or emulated). ``args``: the
+    step's arguments (token buffers, weights, fixed scalars), whose addresses the graph
+    recorded as well."""
 
     def __init__(self, size: int, run: Callable[[], tuple], ctx, reads: list[tuple[str, torch.Tensor]],
-                 res: GraphResources) -> None:
+                 args: list, res: GraphResources) -> None:
         self.size, self.res = size, res
         self.where = [(name, t.data_ptr(), tuple(t.shape)) for name, t in reads]
+        self.arg_ptrs = _pointers(args)
         self.replays = 0
         if res.use_cuda:
             self.graph = torch.cuda.CUDAGraph()
             run()  # Triton builds and first kernel loads outside the capture
-            res.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(res.stream), collection_paused():
-                self.graph.capture_begin(pool=res.pool)
-                try:
-                    self.outputs = run()
-                finally:
-                    self.graph.capture_end()
-            torch.cuda.current_stream().wait_stream(res.stream)
+            self.outputs = capture_into(self.graph, res, run)
             self.graph.replay()  # capturing records the step without running it
         else:
             self.graph = None
@@ -72,17 +70,25 @@ class FullGraph:
                     f"reads {ptr:#x} {shape}: it would read another step's metadata. A FULL step's batch must be "
                     "built by the backend (build_batch), into its metadata buffer's graph layout.")
 
-    def replay(self, reads: list[tuple[str, torch.Tensor]]) -> tuple:
+    def check_args(self, args: list) -> None:
+        for i, (got, want) in enumerate(zip(_pointers(args), self.arg_ptrs)):
+            if got != want:
+                raise RuntimeError(f"FULL graph [{self.size}]: argument {i} of the step changed since capture "
+                                   f"({want!r} -> {got!r}): the graph would read stale memory. Update weights in "
+                                   "place (design.md, Graph invariants).")
+
+    def replay(self, reads: list[tuple[str, torch.Tensor]], args: list) -> tuple:
+        # The metadata's few addresses on every replay: a batch laid out elsewhere would
+        # be read as another step's. The arguments, many, as the pieces' are checked.
+        self.check(reads)
         if self.replays == 0 or self.res.check_every_replay:
-            self.check(reads)
+            self.check_args(args)
         self.replays += 1
         if self.graph is not None:
             self.graph.replay()
         else:
             with set_forward_context(self.ctx):
-                fresh = self.run()
-            for dst, src in zip(_tensors(self.outputs), _tensors(fresh)):
-                dst.copy_(src)
+                copy_outputs(self.outputs, self.run())
         return self.outputs
 
 
@@ -94,17 +100,18 @@ class FullGraphs:
         self.res = res
         self.graphs: dict[int, FullGraph] = {}
 
-    def run(self, size: int, run: Callable[[], tuple], ctx, fallback: Callable[[], tuple]) -> tuple:
-        """The step at ``size``: its graph's replay, captured now where the backend may
-        capture; without one, ``fallback()`` (the same step in pieces), counted."""
+    def run(self, size: int, run: Callable[[], tuple], ctx, args: list, fallback: Callable[[], tuple]) -> tuple:
+        """The step at ``size`` with arguments ``args``: its graph's replay, captured now
+        where the backend may capture; without one, ``fallback()`` (the same step in
+        pieces), counted."""
         reads = watched(ctx.active)
         graph = self.graphs.get(size)
         if graph is not None:
-            return graph.replay(reads)
+            return graph.replay(reads, args)
         if not self.res.lifecycle.may_capture:
             self.res.fallback(Fallback.UNCAPTURED_SIZE, f"FULL graph for size {size} was not captured before "
                               "serving; running the step in pieces")
             return fallback()
-        graph = self.graphs[size] = FullGraph(size, run, ctx, reads, self.res)
+        graph = self.graphs[size] = FullGraph(size, run, ctx, reads, args, self.res)
         counters.captures["full"] += 1
         return graph.outputs

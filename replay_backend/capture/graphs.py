@@ -132,6 +132,29 @@ def collection_paused():
             gc.enable()
 
 
+def capture_into(graph, res: GraphResources, fn: Callable):
+    """``fn()`` captured into the CUDA graph ``graph`` on the shared stream and pool;
+    returns its outputs (graph memory, written by each replay). capture_begin/end
+    rather than ``torch.cuda.graph``: that context runs gc.collect() and
+    empty_cache() per graph, which dominates capturing thousands of piece graphs."""
+    res.stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(res.stream), collection_paused():
+        graph.capture_begin(pool=res.pool)
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(res.stream)
+    return out
+
+
+def copy_outputs(outputs, fresh) -> None:
+    """An emulated replay's results into the outputs captured (the addresses later
+    steps read)."""
+    for dst, src in zip(_tensors(outputs), _tensors(fresh)):
+        dst.copy_(src)
+
+
 class StaticGraph:
     """One captured piece at one size. ``owned`` holds the capturing step's outputs until
     that step takes them (:meth:`take_owned`); ``outputs`` is what replays return."""
@@ -144,17 +167,7 @@ class StaticGraph:
         if res.use_cuda:
             self.inputs = None  # the addresses suffice; holding the tensors would pin memory
             self.graph = torch.cuda.CUDAGraph()
-            # capture_begin/end rather than ``torch.cuda.graph``: that context runs
-            # gc.collect() and empty_cache() per graph, which dominates capturing
-            # thousands of piece graphs; the pool and stream are the shared ones.
-            res.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(res.stream), collection_paused():
-                self.graph.capture_begin(pool=res.pool)
-                try:
-                    self.owned = fn(*args)
-                finally:
-                    self.graph.capture_end()
-            torch.cuda.current_stream().wait_stream(res.stream)
+            self.owned = capture_into(self.graph, res, lambda: fn(*args))
             weak = res.weak_outputs and not keep_outputs
             self.outputs = _map_tensors(compat_graphs.non_owning_alias, self.owned) if weak else self.owned
         else:
@@ -184,9 +197,7 @@ class StaticGraph:
         if self.graph is not None:
             self.graph.replay()
         else:
-            fresh = self.fn(*self.inputs)
-            for dst, src in zip(_tensors(self.outputs), _tensors(fresh)):
-                dst.copy_(src)
+            copy_outputs(self.outputs, self.fn(*self.inputs))
         return self.outputs
 
 

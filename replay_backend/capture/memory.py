@@ -68,7 +68,7 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
         raise RuntimeError("estimate_graph_memory needs CUDA graphs: this model runs on "
                            f"{'CPU' if not torch.cuda.is_available() else 'inputs not on CUDA'} "
                            "or with cudagraph_mode='none'")
-    if model.serving or model.captured_sizes("main") or model.captured_sizes("replay"):
+    if model.serving or model.captured_sizes("main") or model.captured_sizes("replay") or model.full.graphs:
         raise RuntimeError("estimate_graph_memory must run before any graph is captured")
     main_sizes = sorted(model.main_level.sizes)
     full_sizes = list(model.full_policy.sizes) if model.full_policy is not None else []
@@ -94,8 +94,9 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
         replay_peak = p[0]
     top = main_sizes[-1] if main_sizes else 1
     kept = sum(kept_at_max * s // top for s in main_sizes)
-    # The largest step's owned outputs are inside its peak; the other sizes add theirs.
-    after_main = main_peak + kept - kept_at_max
+    # The largest step's owned outputs are inside its peak; the other sizes add theirs
+    # (without main graphs nothing stays owned, and the peak is all there is).
+    after_main = main_peak + kept - kept_at_max if main_sizes else main_peak
     pools = max(after_main, kept + replay_peak)
     graphs = len(main_sizes) * len(model.runners("main"))
     if rep is not None:

@@ -17,7 +17,7 @@ maximum of each (one all-reduce of five integers):
   rank's;
 * whether its batch cannot run as one FULL graph (not laid out for one, or not a
   uniform decode where attention needs that): then no rank runs FULL, every rank
-  takes the PIECEWISE graphs at the agreed size.
+  takes the other graphs of the agreed size (pieces, or none in a mode without).
 
 From these every rank derives the same decision (decide.plan_step). An idle rank
 takes part through a dummy step of one token, padded to the agreed size. The group is

@@ -6,6 +6,7 @@ token-count arguments are replaced by the padded size.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 
@@ -16,9 +17,9 @@ from ..config import ReplayConfig
 from ..fallbacks import Fallback
 from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
-from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..capture.full import FullGraphs
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
+from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..parallel import check_same_plan
 from .agree import agree
 from .direct import GraphCall
@@ -97,8 +98,6 @@ class CompiledReplayModel:
 
     def plan_snapshot(self):
         """The split plan with each runner's captured sizes and dispatch counts now."""
-        import dataclasses
-
         from ..plan import runner_stats
 
         return dataclasses.replace(self.plan, runners=runner_stats(self))
@@ -149,11 +148,12 @@ class CompiledReplayModel:
         captures the same size, and nothing needs agreeing."""
         use_graphs = ctx is None or ctx.use_graphs
         batch = ctx.batch if ctx is not None else None
-        full = self.full_policy is not None and batch is not None and self.full_policy.admits(batch)
-        if full and batch.metadata is not self.full_policy.metadata:
-            self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but built outside the "
-                              "backend's metadata buffer runs in pieces (a FULL graph reads the buffer): build it "
-                              "with the compiled model's build_batch")
+        full = self.full_policy is not None and batch is not None and batch.graph is not None
+        if full and not self.full_policy.admits(batch):
+            if batch.metadata is not self.full_policy.metadata or batch.graph.rows != self.full_policy.rows:
+                self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but not where they "
+                                  "read (built outside the backend's metadata buffer, or for another number of rows) "
+                                  "runs in pieces: build it with the compiled model's build_batch")
             full = False
         agreement = None
         if self.dp_group is not None and not self.res.lifecycle.capturing_main:
@@ -202,7 +202,7 @@ class CompiledReplayModel:
                 ctx.prepare_view(ctx.active, tp)
                 if self.replay is not None:
                     ctx.prepare_view(ctx.region_view, tp)
-            return self.full.run(tp, lambda: self._pieces_at(None, new), ctx,
+            return self.full.run(tp, lambda: self._pieces_at(None, new), ctx, new,
                                  lambda: self._pieces_at(tp if tp in self.main_level.sizes else None, new))
         return self._pieces_at(tp, new)
 
@@ -271,8 +271,6 @@ class CompiledReplayModel:
 
     def use_full_policy(self, policy) -> None:
         """Which steps run as FULL graphs from now on (full_policy.py; None: none)."""
-        import dataclasses
-
         self.full_policy = policy
         full = policy.sizes if policy is not None else ()
         self.sizes = dataclasses.replace(self.sizes, full=full)
@@ -287,6 +285,16 @@ class CompiledReplayModel:
         return capture_all(self, run_main_step, replay_view_for, metadata, run_full_step)
 
     def start_serving(self) -> None:
-        """Serving starts (the backend's phase says so): keep what served steps look up."""
+        """Serving starts (the backend's phase says so): keep what served steps look up.
+        A FULL size without a graph leaves the policy, so that no served step plans one
+        it cannot run (its steps run in pieces, as the counted fallback)."""
         if self.replay is not None:
             self.replay.start_serving()
+        policy = self.full_policy
+        if policy is not None:
+            missing = sorted(set(policy.sizes) - set(self.full.graphs))
+            if missing:
+                self.res.fallback(Fallback.UNCAPTURED_SIZE, f"FULL graphs for sizes {missing} were not captured "
+                                  "before serving; their steps run in pieces")
+                kept = tuple(s for s in policy.sizes if s in self.full.graphs)
+                self.use_full_policy(dataclasses.replace(policy, sizes=kept) if kept else None)

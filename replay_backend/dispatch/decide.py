@@ -170,7 +170,8 @@ def plan_step(sizes: Sizes, num_tokens: int, replay_rows: int, trimmable: bool, 
     if full and use_graphs and sizes.full:
         padded = padded_size(sizes.full, tokens)
         if padded is not None:  # FULL sizes never trim: the region runs on every row
-            return StepPlan(StepKind.FULL, num_tokens, padded, False, padded, None, False, sizes.has_region, padded)
+            return StepPlan(StepKind.FULL, num_tokens, padded, trim=False, region_rows=padded, replay_padded=None,
+                            io_graphs=False, has_region=sizes.has_region, region_padded=padded)
     padded = main_size(sizes, tokens, use_graphs)
     trim = wants_trim(sizes, padded, trimmable) if sizes.has_region else False
     kind = StepKind.PIECEWISE if padded is not None else StepKind.EAGER

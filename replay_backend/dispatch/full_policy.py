@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ReplayConfig, padded_size
+from ..config import ReplayConfig
 from ..passes.roles import CudagraphSupport, cudagraph_support_of
 
 
@@ -21,24 +21,33 @@ class FullPolicy:
     """The FULL graph sizes (ascending) and which batches may take them."""
 
     sizes: tuple[int, ...]
-    uniform_only: bool  # only batches whose requests all have one query length ...
-    uniform_len: int  # ... of at most this many tokens
-    # The backend's metadata buffer, where a FULL graph reads its steps' metadata.
+    # Only uniform decodes: every request with exactly this many tokens (None: any
+    # batch). Exactly, as the graphs were captured with it: an attention that supports
+    # only uniform decodes may build its launch for that query length.
+    uniform_len: int | None
+    # The rows of a batch's graph layout (capture's, whatever sizes stay captured),
+    # and the backend's metadata buffer, where a FULL graph reads its steps' metadata.
+    rows: int
     metadata: Any = field(default=None, compare=False)
 
     @property
-    def rows(self) -> int:
-        """The rows of a batch's graph layout: the largest FULL size."""
-        return self.sizes[-1]
+    def uniform_only(self) -> bool:
+        return self.uniform_len is not None
 
     def uniform(self, requests) -> bool:
-        q = requests[0].query_len if requests else 0
-        return 0 < q <= self.uniform_len and all(r.query_len == q for r in requests)
+        return bool(requests) and all(r.query_len == self.uniform_len for r in requests)
 
     def wants_layout(self, requests) -> bool:
         """A batch of ``requests`` is built in the graph layout: it may run FULL."""
         tokens = sum(r.query_len for r in requests)
-        return tokens <= self.rows and (not self.uniform_only or self.uniform(requests))
+        return tokens <= self.sizes[-1] and (not self.uniform_only or self.uniform(requests))
+
+    def admits(self, batch) -> bool:
+        """``batch`` may run as one FULL graph: laid out as the graphs read (in the
+        backend's buffer, at the graphs' rows), and a batch the attention takes there."""
+        graph = batch.graph
+        return (graph is not None and graph.rows == self.rows and batch.metadata is self.metadata
+                and (not self.uniform_only or self.uniform(batch.requests)))
 
     def dummy_shapes(self, max_requests: int) -> dict[int, tuple[int, int | None]]:
         """For each FULL size a batch that pads to it and that this policy admits, as
@@ -50,30 +59,21 @@ class FullPolicy:
             if not self.uniform_only:
                 shapes[size] = (size, None)
             else:
-                for q in range(1, self.uniform_len + 1):
-                    k = min(size // q, max_requests)
-                    if k * q > below:
-                        shapes[size] = (k * q, q)
-                        break
+                q = self.uniform_len
+                k = min(size // q, max_requests)
+                if k * q > below:
+                    shapes[size] = (k * q, q)
             below = size
         return shapes
-
-    def admits(self, batch) -> bool:
-        """``batch`` may run as one FULL graph: laid out for one, and a batch the
-        attention takes there."""
-        graph = batch.graph
-        return graph is not None and graph.rows >= self.rows and (
-            not self.uniform_only or self.uniform(batch.requests))
 
 
 def lowest_support(attention_ops, setup) -> tuple[CudagraphSupport, str | None]:
     """The lowest FULL graph support among ``attention_ops`` (their targets) for
-    ``setup``, and the op that has it (None: no attention op, nothing limits)."""
-    worst, name = CudagraphSupport.ALWAYS, None
-    for op in attention_ops:
-        got = cudagraph_support_of(op, setup)
-        if got < worst or name is None:
-            worst, name = min(worst, got), str(op)
+    ``setup``, and the first op that has it (None: no attention op, nothing limits)."""
+    found = [(cudagraph_support_of(op, setup), i, str(op)) for i, op in enumerate(attention_ops)]
+    if not found:
+        return CudagraphSupport.ALWAYS, None
+    worst, _, name = min(found)
     return worst, name
 
 
@@ -94,11 +94,11 @@ def resolve(cfg: ReplayConfig, sizes: list[int], support: CudagraphSupport, op: 
                       f"inside a graph), so no step runs as a FULL graph; {rest}")
     uniform_only = mode == "full_decode_only" or support is CudagraphSupport.UNIFORM_DECODE
     if uniform_only:
-        cap = padded_size(sizes, cfg.max_num_seqs * cfg.uniform_decode_query_len)
-        sizes = [s for s in sizes if cap is None or s <= cap]
-    policy = FullPolicy(tuple(sorted(sizes)), uniform_only, cfg.uniform_decode_query_len, metadata)
+        sizes = cfg.uniform_decode_sizes(sizes)
+    sizes = tuple(sorted(sizes))
+    policy = FullPolicy(sizes, cfg.uniform_decode_query_len if uniform_only else None, sizes[-1], metadata)
     if mode != "full_decode_only" and support is CudagraphSupport.UNIFORM_DECODE:
         return policy, (f"cudagraph_mode={mode!r}: attention op {op} declares cudagraph_support UNIFORM_DECODE, so "
-                        f"only uniform decode batches (one query length, at most uniform_decode_query_len="
-                        f"{cfg.uniform_decode_query_len}) run as FULL graphs; {rest}")
+                        f"only uniform decode batches (every request with uniform_decode_query_len="
+                        f"{cfg.uniform_decode_query_len} tokens) run as FULL graphs; {rest}")
     return policy, None

@@ -133,6 +133,8 @@ class ReplayRuntime:
         elif res is not None:
             for o, r in zip(outs, res):
                 o.copy_(r[:o.shape[0]])
+        if plan.kind is StepKind.FULL:  # captured in the step's graph: a replay runs none of this
+            return
         if plan.trim:
             counters.trims += 1
             self.host_us.append((time.perf_counter() - t0 - self._region_s) * 1e6)

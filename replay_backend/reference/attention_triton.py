@@ -234,8 +234,8 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
     splits, chunk = split_plan(nb, heads, max_global, _num_sms(q.device)) if splits is None \
         else chunked(max_global, splits)
     split = splits > 1
-    # The chunks' partial records, fp32. Per call: the op runs eagerly, never inside a
-    # graph, so the caching allocator serves it. Without a split the kernel never
+    # The chunks' partial records, fp32. Per call: between pieces the caching allocator
+    # serves it, inside a FULL graph the graph's pool. Without a split the kernel never
     # touches it, and ``sink`` stands in.
     part = torch.empty(splits * nb * heads * BLOCK_M * (d + 2), dtype=torch.float32,
                        device=q.device) if split else sink
