@@ -10,7 +10,6 @@ refused once serving.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from typing import Any, Callable
@@ -26,9 +25,9 @@ from .config import ReplayConfig
 from .counters import counters
 from .dispatch.compiled import CompiledReplayModel
 from .batch import build_step_batch
-from .dispatch.decide import StepKind
-from .dispatch.direct import CallLog
-from .dispatch.full_policy import lowest_support, resolve
+from .capture.full import full_capture_step
+from .dispatch.direct import CallLog, run_dummy
+from .dispatch.full_policy import resolve_policy
 from .forward_context import has_forward_context, set_forward_context
 from .lifecycle import Lifecycle, Phase
 from .parallel import check_same_options, check_same_schedule
@@ -37,13 +36,6 @@ from .pipeline import build
 from .step_metadata import MetadataBuffer, metadata_capacity
 from .step_setup import StepSetup
 
-
-def run_dummy(model: CompiledReplayModel, setup, n: int, use_graphs: bool = True, **batch) -> None:
-    """One dummy step of ``n`` tokens of ``setup`` (every KV write to the pad slot)
-    through ``model``'s graph directly, under a forward context of its own; ``batch``:
-    the dummy batch's ``graph_rows`` and ``metadata`` (a FULL step's)."""
-    with set_forward_context(setup.context(setup.dummy_batch(n, **batch), use_graphs=use_graphs)):
-        model.graph_call.dummy(n)
 
 log = logging.getLogger("replay_backend")
 
@@ -141,7 +133,7 @@ class ReplayBackend:
             model = self._learned_model("capture")
             metadata = self._metadata_buffer(setup)
             # The FULL sizes first: they are part of the schedule the ranks compare.
-            run_full = self._full_capture_step(model, setup, metadata)
+            run_full = full_capture_step(model, setup, metadata, resolve_policy(self.config, model, setup, metadata))
             self._check_same_schedule()
             with set_forward_context(setup.context(setup.dummy_batch(setup.window))):
                 summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata, run_full)
@@ -201,7 +193,7 @@ class ReplayBackend:
         ``GraphMemoryEstimate``), from the dummy steps of ``setup`` (a ``StepSetup``)."""
         setup = self.use(setup)
         model = self._learned_model("estimate_graph_memory")
-        self._full_policy(model, setup, self._metadata_buffer(setup))
+        resolve_policy(self.config, model, setup, self._metadata_buffer(setup))
         with set_forward_context(setup.context(setup.dummy_batch(setup.window))), torch.no_grad():
             return model.estimate_graph_memory(lambda n: run_dummy(model, setup, n, use_graphs=False),
                                                setup.replay_view)
@@ -292,38 +284,6 @@ class ReplayBackend:
         if not self.has_run:
             raise RuntimeError(f"dsv41_replay: {what}() needs one step through the compiled model first")
         return self.model
-
-    def _full_policy(self, model: CompiledReplayModel, setup, metadata):
-        """Which steps run as FULL graphs (dispatch/full_policy.py), from the mode and
-        what the model's attention ops support for ``setup``; a downgrade is a fallback."""
-        if not model.full_sizes or model.full_policy is not None:
-            return model.full_policy
-        support, op = lowest_support(model.attention_ops(), setup)
-        policy, why = resolve(self.config, model.full_sizes, support, op, metadata)
-        if why is not None:
-            model.res.fallback(Fallback.CUDAGRAPH_MODE, why)
-        model.use_full_policy(policy)
-        return policy
-
-    def _full_capture_step(self, model: CompiledReplayModel, setup, metadata):
-        """``run(n)``: capture's dummy step at FULL size ``n``, a batch the FULL policy
-        admits, laid out for FULL graphs; None without FULL graphs. Sizes that no such
-        batch pads to leave the policy."""
-        policy = self._full_policy(model, setup, metadata)
-        if policy is None:
-            return None
-        shapes = policy.dummy_shapes(setup.layout.num_blocks)
-        policy = dataclasses.replace(policy, sizes=tuple(shapes), rows=max(shapes)) if shapes else None
-        model.use_full_policy(policy)
-
-        def run(n: int) -> None:
-            tokens, per_request = shapes[n]
-            run_dummy(model, setup, tokens, graph_rows=policy.rows, metadata=metadata, per_request=per_request)
-            ran = model.last_plan
-            if (ran.kind, ran.padded_tokens) != (StepKind.FULL, n):  # the policy and its dummy disagree
-                raise RuntimeError(f"dsv41_replay: capture's dummy step for FULL size {n} ran as {ran.kind.value} "
-                                   f"at {ran.padded_tokens}")
-        return run if policy is not None else None
 
     def _metadata_buffer(self, setup) -> MetadataBuffer | None:
         """The fixed buffer served steps' metadata goes to, whose head the trim op's

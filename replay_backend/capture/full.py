@@ -18,6 +18,7 @@ CPU exactly as its kernels would on a GPU, and the tests against the oracle see 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable
 
 import torch
@@ -115,3 +116,29 @@ class FullGraphs:
         graph = self.graphs[size] = FullGraph(size, run, ctx, reads, args, self.res)
         counters.captures["full"] += 1
         return graph.outputs
+
+
+def full_capture_step(model, setup, metadata, policy) -> Callable[[int], None] | None:
+    """``run(n)``: capture's dummy step at FULL size ``n`` of ``model`` (a
+    CompiledReplayModel), a batch ``policy`` admits, laid out for FULL graphs in
+    ``metadata``; None without FULL graphs. Sizes that no such batch pads to leave the
+    policy."""
+    from ..dispatch.decide import StepKind
+    from ..dispatch.direct import run_dummy
+
+    if policy is None:
+        return None
+    shapes = policy.dummy_shapes(setup.layout.num_blocks)
+    policy = dataclasses.replace(policy, sizes=tuple(shapes), rows=max(shapes)) if shapes else None
+    model.use_full_policy(policy)
+    if policy is None:
+        return None
+
+    def run(n: int) -> None:
+        tokens, per_request = shapes[n]
+        run_dummy(model, setup, tokens, graph_rows=policy.rows, metadata=metadata, per_request=per_request)
+        ran = model.last_plan
+        if (ran.kind, ran.padded_tokens) != (StepKind.FULL, n):  # the policy and its dummy disagree
+            raise RuntimeError(f"dsv41_replay: capture's dummy step for FULL size {n} ran as {ran.kind.value} at "
+                               f"{ran.padded_tokens}")
+    return run

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..compat import dynamo as compat_dynamo
+from ..forward_context import set_forward_context
 
 
 class CallLog:
@@ -264,3 +265,11 @@ def for_serving(learned: DirectEntry | str | None, compiled: Sequence) -> Direct
     if not isinstance(learned, str) and learned.model is not compiled[0]:
         return "the calls went to another compiled model"
     return learned
+
+
+def run_dummy(model, setup, n: int, use_graphs: bool = True, **batch) -> None:
+    """One dummy step of ``n`` tokens of ``setup`` (every KV write to the pad slot)
+    through ``model``'s graph directly, under a forward context of its own; ``batch``:
+    the dummy batch's ``graph_rows`` and ``metadata`` (a FULL step's)."""
+    with set_forward_context(setup.context(setup.dummy_batch(n, **batch), use_graphs=use_graphs)):
+        model.graph_call.dummy(n)

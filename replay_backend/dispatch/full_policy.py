@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ReplayConfig
+from ..fallbacks import Fallback
 from ..passes.roles import CudagraphSupport, cudagraph_support_of
 
 
@@ -102,3 +103,17 @@ def resolve(cfg: ReplayConfig, sizes: list[int], support: CudagraphSupport, op: 
                         f"only uniform decode batches (every request with uniform_decode_query_len="
                         f"{cfg.uniform_decode_query_len} tokens) run as FULL graphs; {rest}")
     return policy, None
+
+
+def resolve_policy(cfg: ReplayConfig, model, setup, metadata) -> FullPolicy | None:
+    """Which steps of ``model`` (a CompiledReplayModel) run as FULL graphs, from the
+    mode and what its attention ops support for ``setup``, set on the model; decided
+    once, a downgrade counted as a fallback."""
+    if not model.full_sizes or model.full_policy is not None:
+        return model.full_policy
+    support, op = lowest_support(model.attention_ops(), setup)
+    policy, why = resolve(cfg, model.full_sizes, support, op, metadata)
+    if why is not None:
+        model.res.fallback(Fallback.CUDAGRAPH_MODE, why)
+    model.use_full_policy(policy)
+    return policy
