@@ -286,6 +286,20 @@ def test_attention_that_cannot_run_in_a_full_graph_downgrades_to_pieces_as_a_cou
             assert result.kind is PIECEWISE and err <= 1e-5, (step, result, err)
 
 
+def test_the_downgrade_is_decided_and_counted_once():
+    """The memory estimate and capture both need the policy: the first decides it (and
+    counts a downgrade), the second takes it as decided."""
+    model = ToyModel("never").eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"),
+                                      options={**TOY_OPTS, "cudagraph_mode": "full_and_piecewise"})
+    server = OwnServer(model, toy_cache, compiled, max_model_len=TOY_LEN, max_num_seqs=4)
+    with counters.expect(strict=False, fallbacks={"cudagraph_mode": 1}):
+        server.warm_up()
+        with pytest.raises(RuntimeError, match="estimate_graph_memory needs CUDA"):  # after deciding the policy
+            compiled.estimate_graph_memory(server.setup)
+        compiled.capture(server.setup)
+
+
 @pytest.mark.parametrize("attention", ["never", "undeclared"])
 def test_under_strict_the_downgrade_is_an_error_naming_cudagraph_mode_and_the_op(attention):
     with pytest.raises(StrictFallbackError, match=rf"cudagraph_mode: cudagraph_mode='full_and_piecewise': attention "

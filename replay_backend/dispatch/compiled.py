@@ -56,6 +56,7 @@ class CompiledReplayModel:
         self.full = FullGraphs(res)
         self.full_sizes = sorted(full_sizes or [])  # the mode's, before the attention's support is known
         self.full_policy = None
+        self.full_resolved = False  # the policy was decided (a downgrade is counted once)
         self.output_row_bytes = 0  # the step's outputs per token row, measured with the memory estimate
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero

@@ -109,11 +109,12 @@ def resolve_policy(cfg: ReplayConfig, model, setup, metadata) -> FullPolicy | No
     """Which steps of ``model`` (a CompiledReplayModel) run as FULL graphs, from the
     mode and what its attention ops support for ``setup``, set on the model; decided
     once, a downgrade counted as a fallback."""
-    if not model.full_sizes or model.full_policy is not None:
+    if not model.full_sizes or model.full_resolved:
         return model.full_policy
     support, op = lowest_support(model.attention_ops(), setup)
     policy, why = resolve(cfg, model.full_sizes, support, op, metadata)
     if why is not None:
         model.res.fallback(Fallback.CUDAGRAPH_MODE, why)
     model.use_full_policy(policy)
+    model.full_resolved = True
     return policy
