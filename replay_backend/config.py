@@ -245,58 +245,11 @@ class ReplayConfig:
                          and getattr(self, f.name) != f.default)
 
     def notes(self) -> list[str]:
-        """Options the caller set that a switch makes moot: one line each, naming the
-        option and the switch (docs/configuration.md, Options a switch turns off). They
-        are notes, not errors: each switch is a kill switch, meant to be flipped alone
-        while every other option stays as it was (docs/debugging.md), and the benchmark
-        runs one set of options under every mode."""
-        given = self.given()
-        # The switches that are off, each with what that turns off.
-        no_graphs = ("cudagraph_mode='none'", "every step is eager: no graph is captured") \
-            if not self.graphs_enabled else None
-        no_full = (f"cudagraph_mode={self.cudagraph_mode!r}", "no FULL graph is captured") \
-            if not self.full_graphs else None
-        no_pieces = (f"cudagraph_mode={self.cudagraph_mode!r}", "no piecewise graph is captured, so no step "
-                     "trims in graphs") if self.graphs_enabled and not self.piecewise_graphs else None
-        no_region = ("decoder_replay=False", "the replay layers stay in the main graph: nothing trims") \
-            if not self.decoder_replay else None
-        no_replay_graphs = ("cudagraph_decoder_replay=False", "no replay graph is captured and PIECEWISE "
-                            "steps never trim") if not self.cudagraph_decoder_replay else None
-        replay = (no_graphs, no_pieces, no_region, no_replay_graphs)
-        # The threshold and max_num_seqs also bound the FULL sizes (full_capture_sizes).
-        sizes_too = (no_graphs, no_region, no_replay_graphs) if self.full_graphs else replay
-        explicit_sizes = ("decoder_replay_cudagraph_capture_sizes set", "max_num_seqs only bounds the "
-                          "default replay sizes") if self.decoder_replay_cudagraph_capture_sizes else None
-        # option: (whether its value asks for something, the switches that deny it)
-        asks = {
-            "cudagraph_capture_sizes": (True, (no_graphs,)),
-            "max_cudagraph_capture_size": (True, (no_graphs,)),
-            "debug_check_addresses": (self.debug_check_addresses, (no_graphs,)),
-            "cudagraph_decoder_replay": (self.cudagraph_decoder_replay, (no_graphs, no_region)),
-            "decoder_replay_cudagraph_capture_sizes": (True, replay),
-            "decoder_replay_trim_threshold": (True, sizes_too),
-            "trim_io_graphs": (self.trim_io_graphs, replay),
-            "max_num_seqs": (True, (*sizes_too, explicit_sizes)),
-            "uniform_decode_query_len": (True, (no_full,)),
-        }
-        notes = []
-        for key, (asking, switches) in asks.items():
-            off = next((sw for sw in switches if sw is not None), None)
-            if key in given and asking and off is not None:
-                notes.append(f"dsv41_replay: option {key}={getattr(self, key)!r} has no effect with {off[0]} "
-                             f"({off[1]})")
-        if "metadata_in_place" in given and self.metadata_in_place:
-            no_io = ("trim_io_graphs=False", "the trim op's gathers stay eager ops") if not self.trim_io_graphs \
-                else None
-            off = next((sw for sw in (*replay, no_io) if sw is not None), None)
-            if off is not None:
-                notes.append(f"dsv41_replay: option metadata_in_place=True: no trim graph reads the metadata in "
-                             f"place with {off[0]} ({off[1]}); served steps' metadata still shares one buffer")
-        if self.inductor_mode == "max-autotune-no-cudagraphs" and self.graphs_enabled:
-            notes.append("dsv41_replay: mode='max-autotune-no-cudagraphs' autotunes the pieces and keeps "
-                         "Inductor's own graphs off; this backend's graphs follow option "
-                         "cudagraph_mode='piecewise' (set cudagraph_mode='none' for none)")
-        return notes
+        """Options the caller set that a switch makes moot, one line each
+        (config_notes.py; docs/configuration.md, Options a switch turns off)."""
+        from .config_notes import notes
+
+        return notes(self)
 
     # ---- derived --------------------------------------------------------------------
     @property

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from replay_backend.bench import ranks as bench_ranks
 from replay_backend.bench import report as bench_report
-from replay_backend.reference import cli
+from replay_backend.reference import cli_bench
 from replay_backend.reference.cli import main
 
 # The tiniest model the bench takes: 4 layers, one KV source, prefills of 100 tokens trim.
@@ -66,7 +66,7 @@ def test_more_ranks_than_gpus_are_refused(capsys, no_torchrun):
 def test_topology_leaves_the_stock_peer_out_of_the_default_modes(monkeypatch, no_torchrun):
     seen = []
     monkeypatch.setattr(bench_ranks, "launch", lambda body, args, topo: seen.append((args.modes, topo)) or 0)
-    monkeypatch.setattr(cli, "bench_passes", lambda args: seen.append((args.modes, None)) or 0)
+    monkeypatch.setattr(cli_bench, "bench_passes", lambda args: seen.append((args.modes, None)) or 0)
     assert main(["bench", "--dp", "2", "--enable-expert-parallel", *TINY[:-14]]) == 0
     assert main(["bench", *TINY[:-14]]) == 0
     assert seen == [(["eager", "off", "parent", "piecewise", "replay"], bench_ranks.Topology(1, 2, True)),

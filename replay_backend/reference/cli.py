@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -11,16 +10,16 @@ import time
 import torch
 
 from ..compat import dynamo as compat_dynamo
-from ..bench import ranks as bench_ranks
 from ..bench import decode as decode_bench
 from ..bench import run as bench
 from ..backend import ReplayBackend
 from . import cli_args
 from .batch_spec import GRAMMAR, parse_batch_spec
-from .cli_options import backend_options, model_config
+from .cli_bench import _write_report, cmd_bench, cmd_decode_bench  # noqa: F401  (_write_report: the tests')
+from .cli_options import backend_options
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
 from ..config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, ReplayConfig
-from ..kv_cache import MAX_MODEL_LEN, CacheLayout
+from ..kv_cache import MAX_MODEL_LEN
 from . import PRESETS, build_model, preset
 from ..plan import plan_of
 from .runner import StepRunner
@@ -65,14 +64,6 @@ def _demo_options(opts: dict, device: str) -> dict:
     return opts
 
 
-def _check_layout(max_model_len: int, num_seqs: int, what: str) -> None:
-    """The cache a command will allocate, refused before any model is built."""
-    try:
-        CacheLayout(max_model_len, num_seqs)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-
-
 def cmd_demo(args) -> int:
     device, name, dtype = _device_defaults(args)
     cfg = preset(name)
@@ -80,7 +71,7 @@ def cmd_demo(args) -> int:
     opts = _demo_options(backend_options(args.option), device)
     cfg_b = ReplayConfig.from_options(opts)
     check_step(reqs, cfg_b, cfg.window, args.max_model_len)
-    _check_layout(args.max_model_len, len(reqs), f"--max-model-len {args.max_model_len} with {len(reqs)} requests")
+    cli_args.check_layout(args.max_model_len, len(reqs), f"--max-model-len {args.max_model_len} with {len(reqs)} requests")
     print(f"model   : DSv4.1-mini preset {name!r}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"window {cfg.window}, KV sources {list(cfg.kv_source_layer_ids)}, replay layers "
           f"{cfg.replay_layers.start}..{cfg.replay_layers.stop - 1}; {device}, {dtype}")
@@ -143,7 +134,7 @@ def cmd_verify(args) -> int:
     window = preset(_device_defaults(args)[1]).window
     check_step(reqs, cfg, window, args.max_model_len)
     kw = runner_sizes(reqs, window, cfg)
-    _check_layout(kw["max_model_len"], kw["max_num_seqs"],
+    cli_args.check_layout(kw["max_model_len"], kw["max_num_seqs"],
                   f"--batch: {len(reqs)} requests of up to {kw['max_model_len']} positions each")
     model, device, name = _model_for(args)
     res = verify_step(model, reqs, cfg, capture=args.capture_all, tolerance=args.tolerance)
@@ -267,101 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     decode_bench.add_arguments(d)
     d.set_defaults(fn=cmd_decode_bench)
     return p
-
-
-def cmd_decode_bench(args) -> int:
-    """The decode bench (bench/decode.py); its table printed, its report to --out."""
-    model_config(args.preset, args.model_option)  # a bad preset or option, before any model is built
-    if args.out:
-        cli_args.check_file(args.out, "--out")
-    if args.profile_out:
-        cli_args.check_file(args.profile_out, "--profile-out")
-    report = decode_bench.run_decode_bench(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    print(decode_bench.render(report))
-    return 0 if all(not r["error"] for r in report["results"]) else 1
-
-
-def _write_report(args, reports: list[dict]) -> str:
-    """The tables of ``reports`` (one per attention implementation), written to --out
-    and the reports to --json when given (one report as itself, several as
-    ``{"reports": [...]}``): after every point, so a run an outer limit stops keeps
-    what it measured."""
-    text = "\n\n".join(bench.render(r) for r in reports)
-    raw = reports[0] if len(reports) == 1 else {"reports": reports}
-    for path, body in ((args.json, lambda: json.dumps(raw, indent=2)), (args.out, lambda: text + "\n")):
-        if path:  # whole or not at all: a limit may stop the run while it writes
-            with open(f"{path}.part", "w") as f:
-                f.write(body())
-            os.replace(f"{path}.part", path)
-    return text
-
-
-def _check_bench(args) -> None:
-    """What the bench's arguments must satisfy, checked before any model is built: the
-    preset and model options, every attention implementation, the backend options, the
-    caches the runs allocate, the files they write, and the ranks it starts."""
-    topo = bench_ranks.topology(args)
-    if topo is not None:
-        if "reduce-overhead" in args.modes:
-            raise ValueError("--modes reduce-overhead: the stock torch.compile peer runs on one process, without "
-                             "the ranks' groups; leave it out with --tp/--dp/--enable-expert-parallel")
-        if args.compile_only:
-            raise ValueError("--compile-only times one process's compile: leave out --tp/--dp/"
-                             "--enable-expert-parallel")
-        bench_ranks.check_launch(topo)
-    cfg = model_config(args.preset, args.model_option)
-    for impl in args.attention or []:
-        model_config(args.preset, [*args.model_option, f"attention_impl={impl}"])
-    for mode in args.modes:
-        if mode in bench.MODE_OPTIONS:
-            for setting in args.settings:
-                bench._backend_config(mode, setting, args)
-    longest = max(max(args.isl), cfg.window) + 2
-    _check_layout(longest, max(args.conc), f"--isl {max(args.isl)} --conc {max(args.conc)} (caches of "
-                  f"max(ISL, W) + 2 = {longest} positions per sequence)")
-    for flag, path in (("--json", args.json), ("--out", args.out), ("--profile-out", args.profile_out)):
-        if path:
-            cli_args.check_file(path, flag)
-    if args.trace_dir:
-        cli_args.check_dir(args.trace_dir, "--trace-dir")
-
-
-def cmd_bench(args) -> int:
-    if args.preset is None:
-        args.preset = "mini-2k" if torch.cuda.is_available() else "tiny"
-    topo = bench_ranks.topology(args)
-    if args.modes is None:
-        args.modes = [m for m in bench.MODES if topo is None or m != "reduce-overhead"]
-    _check_bench(args)
-    if args.compile_only:
-        print(json.dumps(bench.compile_only(args)))
-        return 0
-    if topo is not None:
-        return bench_ranks.launch(bench_passes, args, topo)
-    return bench_passes(args)
-
-
-def bench_passes(args, ranks=None) -> int:
-    """The bench's passes (one per --attention implementation) in this process, as one
-    rank of several where ``ranks`` is given (only rank 0 writes the report)."""
-    impls = args.attention or [None]
-    lead = ranks is None or ranks.lead
-    t0, done = time.perf_counter(), []
-    fp32_results: dict = {}  # one set of fp32 copies for every implementation's pass
-    for impl in impls:
-        run = copy.copy(args)
-        if impl is not None:
-            run.model_option = [*args.model_option, f"attention_impl={impl}"]
-        run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
-        torch._dynamo.reset()  # each implementation traces its own model
-        done.append(bench.run_bench(run, checkpoint=(lambda partial: _write_report(args, [*done, partial]))
-                                    if lead else None, fp32_results=fp32_results, ranks=ranks))
-    if lead:
-        print(_write_report(args, done))
-    return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,3 +132,13 @@ def device(text: str) -> str:
 
 
 LEN_WHY = "MAX_MODEL_LEN: positions must stay exact as float32"
+
+
+def check_layout(max_model_len: int, num_seqs: int, what: str) -> None:
+    """The cache a command will allocate, refused before any model is built."""
+    from ..kv_cache import CacheLayout
+
+    try:
+        CacheLayout(max_model_len, num_seqs)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None

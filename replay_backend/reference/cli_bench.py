@@ -1,0 +1,111 @@
+"""``replay-backend bench`` and ``decode-bench``: their checks, before any model is
+built, and their runs (bench/run.py, bench/decode.py), on one rank or several."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import torch
+
+from ..bench import decode as decode_bench
+from ..bench import ranks as bench_ranks
+from ..bench import run as bench
+from . import cli_args
+from .cli_options import model_config
+
+
+def cmd_decode_bench(args) -> int:
+    """The decode bench (bench/decode.py); its table printed, its report to --out."""
+    model_config(args.preset, args.model_option)  # a bad preset or option, before any model is built
+    if args.out:
+        cli_args.check_file(args.out, "--out")
+    if args.profile_out:
+        cli_args.check_file(args.profile_out, "--profile-out")
+    report = decode_bench.run_decode_bench(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(decode_bench.render(report))
+    return 0 if all(not r["error"] for r in report["results"]) else 1
+
+
+def _write_report(args, reports: list[dict]) -> str:
+    """The tables of ``reports`` (one per attention implementation), written to --out
+    and the reports to --json when given (one report as itself, several as
+    ``{"reports": [...]}``): after every point, so a run an outer limit stops keeps
+    what it measured."""
+    text = "\n\n".join(bench.render(r) for r in reports)
+    raw = reports[0] if len(reports) == 1 else {"reports": reports}
+    for path, body in ((args.json, lambda: json.dumps(raw, indent=2)), (args.out, lambda: text + "\n")):
+        if path:  # whole or not at all: a limit may stop the run while it writes
+            with open(f"{path}.part", "w") as f:
+                f.write(body())
+            os.replace(f"{path}.part", path)
+    return text
+
+
+def _check_bench(args) -> None:
+    """What the bench's arguments must satisfy, checked before any model is built: the
+    preset and model options, every attention implementation, the backend options, the
+    caches the runs allocate, the files they write, and the ranks it starts."""
+    topo = bench_ranks.topology(args)
+    if topo is not None:
+        if "reduce-overhead" in args.modes:
+            raise ValueError("--modes reduce-overhead: the stock torch.compile peer runs on one process, without "
+                             "the ranks' groups; leave it out with --tp/--dp/--enable-expert-parallel")
+        if args.compile_only:
+            raise ValueError("--compile-only times one process's compile: leave out --tp/--dp/"
+                             "--enable-expert-parallel")
+        bench_ranks.check_launch(topo)
+    cfg = model_config(args.preset, args.model_option)
+    for impl in args.attention or []:
+        model_config(args.preset, [*args.model_option, f"attention_impl={impl}"])
+    for mode in args.modes:
+        if mode in bench.MODE_OPTIONS:
+            for setting in args.settings:
+                bench._backend_config(mode, setting, args)
+    longest = max(max(args.isl), cfg.window) + 2
+    cli_args.check_layout(longest, max(args.conc), f"--isl {max(args.isl)} --conc {max(args.conc)} (caches of "
+                  f"max(ISL, W) + 2 = {longest} positions per sequence)")
+    for flag, path in (("--json", args.json), ("--out", args.out), ("--profile-out", args.profile_out)):
+        if path:
+            cli_args.check_file(path, flag)
+    if args.trace_dir:
+        cli_args.check_dir(args.trace_dir, "--trace-dir")
+
+
+def cmd_bench(args) -> int:
+    if args.preset is None:
+        args.preset = "mini-2k" if torch.cuda.is_available() else "tiny"
+    topo = bench_ranks.topology(args)
+    if args.modes is None:
+        args.modes = [m for m in bench.MODES if topo is None or m != "reduce-overhead"]
+    _check_bench(args)
+    if args.compile_only:
+        print(json.dumps(bench.compile_only(args)))
+        return 0
+    if topo is not None:
+        return bench_ranks.launch(bench_passes, args, topo)
+    return bench_passes(args)
+
+
+def bench_passes(args, ranks=None) -> int:
+    """The bench's passes (one per --attention implementation) in this process, as one
+    rank of several where ``ranks`` is given (only rank 0 writes the report)."""
+    impls = args.attention or [None]
+    lead = ranks is None or ranks.lead
+    t0, done = time.perf_counter(), []
+    fp32_results: dict = {}  # one set of fp32 copies for every implementation's pass
+    for impl in impls:
+        run = copy.copy(args)
+        if impl is not None:
+            run.model_option = [*args.model_option, f"attention_impl={impl}"]
+        run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
+        torch._dynamo.reset()  # each implementation traces its own model
+        done.append(bench.run_bench(run, checkpoint=(lambda partial: _write_report(args, [*done, partial]))
+                                    if lead else None, fp32_results=fp32_results, ranks=ranks))
+    if lead:
+        print(_write_report(args, done))
+    return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
