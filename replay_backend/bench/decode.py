@@ -24,14 +24,14 @@ from ..backend import ReplayBackend
 from ..compat import inductor as compat_inductor
 from ..compiling.piece_cache import PieceCache
 from ..config import ReplayConfig
-from ..reference import build_model
-from ..reference.cli_options import model_config
 from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
 from ..requests import RequestChunk
 from ..tracing.dynamic import call_dynamic
 from .cuda_tracing import CudaTracing
 from .profile import NoKernelsRecorded, kernel_floor_ms, profile_to
+from .run import bench_model
+from .timing import sync
 
 OURS = {"piecewise": {"cudagraph_mode": "piecewise"},
         "full_and_piecewise": {"cudagraph_mode": "full_and_piecewise"}}
@@ -56,11 +56,6 @@ class DecodeRun:
     ttft_ms: dict = field(default_factory=dict)  # "isl" -> median prefill ms (c1)
     max_abs_err_vs_first: dict = field(default_factory=dict)  # "context/conc" -> vs the first mode's logits
     error: str | None = None
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class Mode:
@@ -211,9 +206,7 @@ def _measure(modes: list[Mode], args) -> None:
 
 def run_decode_bench(args) -> dict:
     """Every mode of ``args.modes`` at every point; returns the report."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(model_config(args.preset, args.model_option), device,
-                        torch.bfloat16 if device == "cuda" else torch.float32)
+    model, device = bench_model(args)
     longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + 2
     kw = dict(max_num_seqs=max(max(args.conc), 9), max_model_len=longest + longest % 2,
               max_num_batched_tokens=args.max_num_batched_tokens)

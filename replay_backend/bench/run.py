@@ -169,7 +169,7 @@ def check_tokens(shapes) -> int:
     return min(min(isl for isl, _ in shapes), CHECK_MAX_TOKENS)
 
 
-def _model(args, ranks=None):
+def bench_model(args, ranks=None):
     """The benchmark model: bf16 on CUDA, float32 on the CPU, this rank's share of it
     over several ranks; returns it and its device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -196,7 +196,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     deadline = Deadline(time.perf_counter() + args.max_seconds, ranks.world_group if ranks else None)
     if ranks is not None:
         args = ranks.own_paths(args)
-    model, device = _model(args, ranks)
+    model, device = bench_model(args, ranks)
     dtype = next(model.parameters()).dtype
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
@@ -305,7 +305,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
 def compile_only(args) -> dict:
     """Trace and build the default ``replay`` mode once: run it twice in fresh processes
     for cold and warm (Inductor's on-disk caches filled) compile times."""
-    model, _ = _model(args)
+    model, _ = bench_model(args)
     shared = SharedTrace({"replay": ReplayBackend(_backend_config("replay", "default", args))})
     kw = dict(max_num_seqs=max(args.conc), max_model_len=2 * model.cfg.window,
               max_num_batched_tokens=args.max_num_batched_tokens)

@@ -5,7 +5,8 @@ it was captured on, attention's among them. What it reads must therefore sit whe
 sat at capture, with the same shapes: the token inputs in the compiled model's buffers,
 and the step's metadata in the fixed graph layout of the backend's metadata buffer
 (``StepBatch.graph``). :class:`FullGraph` records those addresses and checks the
-first replay's (every replay's with ``debug_check_addresses``).
+metadata's on every replay, the arguments' on the first (every replay with
+``debug_check_addresses``).
 
 Without CUDA a FULL graph is emulated as faithfully as the pieces are
 (capture/graphs.py): a replay re-runs the captured step's work *under the captured
@@ -26,12 +27,7 @@ import torch
 from ..counters import counters
 from ..fallbacks import Fallback
 from ..forward_context import set_forward_context
-from .graphs import GraphResources, capture_into, collection_paused, copy_outputs
-
-
-
-def _pointers(args: list) -> list:
-    return [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+from .graphs import GraphResources, addresses, capture_into, collection_paused, copy_outputs
 
 
 def watched(view) -> list[tuple[str, torch.Tensor]]:
@@ -49,7 +45,7 @@ class FullGraph:
                  args: list, res: GraphResources) -> None:
         self.size, self.res = size, res
         self.where = [(name, t.data_ptr(), tuple(t.shape)) for name, t in reads]
-        self.arg_ptrs = _pointers(args)
+        self.arg_ptrs = addresses(args)
         self.replays = 0
         if res.use_cuda:
             self.graph = torch.cuda.CUDAGraph()
@@ -72,7 +68,7 @@ class FullGraph:
                     "built by the backend (build_batch), into its metadata buffer's graph layout.")
 
     def check_args(self, args: list) -> None:
-        for i, (got, want) in enumerate(zip(_pointers(args), self.arg_ptrs)):
+        for i, (got, want) in enumerate(zip(addresses(args), self.arg_ptrs)):
             if got != want:
                 raise RuntimeError(f"FULL graph [{self.size}]: argument {i} of the step changed since capture "
                                    f"({want!r} -> {got!r}): the graph would read stale memory. Update weights in "
@@ -120,7 +116,7 @@ class FullGraphs:
 
 def full_capture_step(model, setup, metadata, policy) -> Callable[[int], None] | None:
     """``run(n)``: capture's dummy step at FULL size ``n`` of ``model`` (a
-    CompiledReplayModel), a batch ``policy`` admits, laid out for FULL graphs in
+    CompiledReplayModel), a batch ``policy`` takes, laid out for FULL graphs in
     ``metadata``; None without FULL graphs. Sizes that no such batch pads to leave the
     policy."""
     from ..dispatch.decide import StepKind

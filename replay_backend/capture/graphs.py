@@ -132,6 +132,11 @@ def collection_paused():
             gc.enable()
 
 
+def addresses(args) -> list:
+    """What a graph recorded of its arguments: each tensor's address, any other value."""
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def capture_into(graph, res: GraphResources, fn: Callable):
     """``fn()`` captured into the CUDA graph ``graph`` on the shared stream and pool;
     returns its outputs (graph memory, written by each replay). capture_begin/end
@@ -162,7 +167,7 @@ class StaticGraph:
     def __init__(self, name: str, fn: Callable, args: tuple, res: GraphResources,
                  keep_outputs: bool = True, sources: tuple[str, ...] = ()) -> None:
         self.name, self.fn, self.res, self.sources = name, fn, res, sources
-        self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        self.addresses = addresses(args)
         self.replays = 0
         if res.use_cuda:
             self.inputs = None  # the addresses suffice; holding the tensors would pin memory
@@ -181,8 +186,7 @@ class StaticGraph:
         return owned
 
     def check_inputs(self, args: tuple) -> None:
-        for i, (a, want) in enumerate(zip(args, self.addresses)):
-            got = a.data_ptr() if isinstance(a, torch.Tensor) else a
+        for i, (got, want) in enumerate(zip(addresses(args), self.addresses)):
             if got != want:
                 source = f" ({self.sources[i]})" if i < len(self.sources) else ""
                 raise RuntimeError(

@@ -149,13 +149,14 @@ class CompiledReplayModel:
         captures the same size, and nothing needs agreeing."""
         use_graphs = ctx is None or ctx.use_graphs
         batch = ctx.batch if ctx is not None else None
-        full = self.full_policy is not None and batch is not None and batch.graph is not None
-        if full and not self.full_policy.admits(batch):
-            if batch.metadata is not self.full_policy.metadata or batch.graph.rows != self.full_policy.rows:
-                self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but not where they "
-                                  "read (built outside the backend's metadata buffer, or for another number of rows) "
-                                  "runs in pieces: build it with the compiled model's build_batch")
+        policy = self.full_policy
+        full = policy is not None and batch is not None and batch.graph is not None
+        if full and not policy.reads(batch):
+            self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but not where they read "
+                              "(built outside the backend's metadata buffer, or for another number of rows) runs in "
+                              "pieces: build it with the compiled model's build_batch")
             full = False
+        full = full and policy.takes(batch.requests)
         agreement = None
         if self.dp_group is not None and not self.res.lifecycle.capturing_main:
             agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,

@@ -35,23 +35,22 @@ class FullPolicy:
     def uniform_only(self) -> bool:
         return self.uniform_len is not None
 
-    def uniform(self, requests) -> bool:
-        return bool(requests) and all(r.query_len == self.uniform_len for r in requests)
+    def takes(self, requests) -> bool:
+        """The attention runs a step of ``requests`` inside a FULL graph: any, or only
+        a uniform decode (every request with exactly ``uniform_len`` tokens)."""
+        return not self.uniform_only or (bool(requests) and all(r.query_len == self.uniform_len for r in requests))
 
     def wants_layout(self, requests) -> bool:
         """A batch of ``requests`` is built in the graph layout: it may run FULL."""
-        tokens = sum(r.query_len for r in requests)
-        return tokens <= self.sizes[-1] and (not self.uniform_only or self.uniform(requests))
+        return sum(r.query_len for r in requests) <= self.sizes[-1] and self.takes(requests)
 
-    def admits(self, batch) -> bool:
-        """``batch`` may run as one FULL graph: laid out as the graphs read (in the
-        backend's buffer, at the graphs' rows), and a batch the attention takes there."""
-        graph = batch.graph
-        return (graph is not None and graph.rows == self.rows and batch.metadata is self.metadata
-                and (not self.uniform_only or self.uniform(batch.requests)))
+    def reads(self, batch) -> bool:
+        """``batch`` (laid out for FULL graphs) is where the graphs read: in the backend's
+        buffer, at the graphs' rows."""
+        return batch.graph.rows == self.rows and batch.metadata is self.metadata
 
     def dummy_shapes(self, max_requests: int) -> dict[int, tuple[int, int | None]]:
-        """For each FULL size a batch that pads to it and that this policy admits, as
+        """For each FULL size a batch that pads to it and that this policy takes, as
         ``size -> (tokens, tokens per request)`` (None: any split), for capture's dummy
         steps. A uniform-only policy needs a uniform decode of at most ``max_requests``
         requests; a size that none pads to is left out (no served batch reaches it)."""

@@ -195,29 +195,18 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     ctx = get_forward_context()
     view, caches = ctx.active, ctx.kv
     cfg = caches.cfg
+    if compress is not None and view.replay:
+        raise RuntimeError(f"layer {layer} is a KV source and cannot run in the replay region")
     if view.graph is not None:
         _graph_attention(layer, q, kv, sink, out, compress, view, caches)
         return
     n = view.num_tokens
     if q.shape[0] < n:
         raise RuntimeError(f"layer {layer}: attention got {q.shape[0]} rows for {n} tokens")
-    if compress is not None and view.replay:
-        raise RuntimeError(f"layer {layer} is a KV source and cannot run in the replay region")
     swa = caches.swa[layer]
     use_triton = _use_triton(cfg.attention_impl, q.device)
-    if use_triton:
-        if compress is not None:
-            kv_c, gate, norm_w = compress
-            compress = (kv_c, gate, norm_w, caches.raw.get(layer), caches.glob[layer],
-                        view.derived[COMP_SLOTS].view(-1), cfg.rms_eps)
-        cache_triton.write(kv, swa, view.slot_mapping, n, compress)
-    else:
-        swa.index_copy_(0, view.slot_mapping, kv[:n].to(swa.dtype))
-        if compress is not None:
-            _compress(layer, *compress, n, view.slot_mapping, view.derived[COMP_SLOTS].view(-1), caches, cfg.rms_eps)
-    src = cfg.global_source(layer)
-    glob = caches.glob[src] if src is not None else None
-    ratio = cfg.compress_ratio(src) if src is not None else 1
+    _write_kv(layer, kv, compress, n, view.slot_mapping, view.derived[COMP_SLOTS].view(-1), caches, use_triton)
+    glob, ratio = _global_keys(layer, caches)
     # The replay floor binds the replay layers only, in every step, trimmed or not: the
     # view says whether they read it.
     floored = view.replay
@@ -256,6 +245,28 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
         out[n:] = 0  # padded rows: deterministic, never read
 
 
+def _write_kv(layer: int, kv: torch.Tensor, compress, n: int, slots: torch.Tensor, comp_slots: torch.Tensor,
+              caches, use_triton: bool) -> None:
+    """The step's ``n`` rows of KV into the layer's SWA cache at ``slots``, and where the
+    layer is a KV source (``compress``) its compressor's entries at ``comp_slots``."""
+    cfg, swa = caches.cfg, caches.swa[layer]
+    if use_triton:
+        if compress is not None:
+            kv_c, gate, norm_w = compress
+            compress = (kv_c, gate, norm_w, caches.raw.get(layer), caches.glob[layer], comp_slots, cfg.rms_eps)
+        cache_triton.write(kv, swa, slots, n, compress)
+    else:
+        swa.index_copy_(0, slots, kv[:n].to(swa.dtype))
+        if compress is not None:
+            _compress(layer, *compress, n, slots, comp_slots, caches, cfg.rms_eps)
+
+
+def _global_keys(layer: int, caches) -> tuple[torch.Tensor | None, int]:
+    """The global cache the layer reads (its source's; None: none) and its ratio."""
+    src = caches.cfg.global_source(layer)
+    return (caches.glob[src], caches.cfg.compress_ratio(src)) if src is not None else (None, 1)
+
+
 def _graph_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
                      compress, view, caches) -> None:
     """Attention that a FULL graph can hold: every row of the graph layout, read from
@@ -263,28 +274,15 @@ def _graph_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.
     every step of its size. Padding rows write the pad slot and attend to nothing
     (zeros). Pieces run it too for a batch laid out so, whose steps then compute alike
     in a FULL graph and in pieces."""
-    cfg = caches.cfg
-    g = view.graph
-    if compress is not None and view.replay:
-        raise RuntimeError(f"layer {layer} is a KV source and cannot run in the replay region")
+    cfg, g = caches.cfg, view.graph
     swa = caches.swa[layer]
-    comp_slots = g.derived[COMP_SLOTS].view(-1)
-    if _use_triton(cfg.attention_impl, q.device):
-        if compress is not None:
-            kv_c, gate, norm_w = compress
-            compress = (kv_c, gate, norm_w, caches.raw.get(layer), caches.glob[layer], comp_slots, cfg.rms_eps)
-        cache_triton.write(kv, swa, g.slot_mapping, g.rows, compress)
-    else:
-        swa.index_copy_(0, g.slot_mapping, kv[:g.rows].to(swa.dtype))
-        if compress is not None:
-            _compress(layer, *compress, g.rows, g.slot_mapping, comp_slots, caches, cfg.rms_eps)
-    src = cfg.global_source(layer)
-    glob = caches.glob[src] if src is not None else None
-    ratio = cfg.compress_ratio(src) if src is not None else 1
+    use_triton = _use_triton(cfg.attention_impl, q.device)
+    _write_kv(layer, kv, compress, g.rows, g.slot_mapping, g.derived[COMP_SLOTS].view(-1), caches, use_triton)
+    glob, ratio = _global_keys(layer, caches)
     scale = q.shape[-1] ** -0.5
     blocks = g.derived[ATTN_BLOCKS]
     out.zero_()  # the padding rows, which no block covers
-    if _use_triton(cfg.attention_impl, q.device):
+    if use_triton:
         attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, view.replay, sink, scale,
                                 g.max_model_len if cfg.attention_split else 0)
     else:
