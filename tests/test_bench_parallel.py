@@ -137,3 +137,26 @@ def test_render_names_the_topology_and_the_other_ranks_floors_that_differ():
     assert "rank 1" not in text and "rank 3" not in text
     assert "per-step agreement of the data-parallel ranks (one small gloo all-reduce): median 41.5 us" \
            in text
+
+
+def test_bench_under_torchrun_runs_one_rank_per_process_and_rank_0_reports(tmp_path):
+    """``torchrun --nproc-per-node 2`` starts the bench in each process (WORLD_SIZE,
+    RANK, LOCAL_RANK from its environment, its rendezvous): the ranks agree on every
+    step and rank 0 alone writes the report."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k not in bench_ranks.TORCHRUN_ENV}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "replay_backend.reference.cli", "bench", "--dp", "2", "--enable-expert-parallel", *TINY,
+           "--modes", "off,replay", "--json", str(out), "--out", str(tmp_path / "bench.md")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["topology"]["world"] == 2 and report["agree_us_median"] > 0
+    runs = {r["mode"]: r for r in report["results"]}
+    assert set(runs) == {"off", "replay"} and all(r["error"] is None for r in runs.values())
+    assert runs["replay"]["max_abs_err_vs_eager"] < 1e-4
+    assert done.stdout.count("| ISL/conc |") == (tmp_path / "bench.md").read_text().count("| ISL/conc |")

@@ -116,6 +116,63 @@ def test_a_rank_that_raises_is_named_and_the_others_do_not_hang():
         run_ranks(_raises, 2, timeout=60, collective_timeout=10)
 
 
+def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
+    """DEP2 serving. At the second step rank 1 fails before the agreement (a stale
+    batch, or under strict a batch laid out for FULL graphs outside the metadata
+    buffer) while rank 0 runs a decode; at the third both serve their step again.
+    Per step: each rank's error (type, message, seconds taken) or its logits' error
+    against the single-process model."""
+    import time
+
+    from replay_backend import build_step_batch
+
+    dp = dist.group.WORLD
+    mode = "full_and_piecewise" if how == "strict" else "piecewise"
+    model = shard(build_model(CFG), Parallel(1, 0, None, 2, rank, dp, True))
+    rc = StepRunner(model, max_model_len=256, backend=ReplayBackend(**OPTS, strict=how == "strict",
+                                                                    cudagraph_mode=mode, dp_group=dp))
+    ro = StepRunner(build_model(CFG), max_model_len=256)
+    rc.capture()
+    rc.start_serving()
+    if rank == 0:
+        steps = [[R("a", 20, 20)], [R("a", 1, 21)], [R("a", 1, 21)]]
+    else:
+        steps = [[R("b", 5, 5)], [R("b", 1, 6)], [R("b", 1, 6)]]
+    out = []
+    for k, reqs in enumerate(steps):
+        t0 = time.monotonic()
+        try:
+            if (rank, k) != (1, 1):
+                got = rc.step(reqs)
+                out.append(max_abs_err(got.logits, ro.step(reqs).logits))
+                continue
+            if how == "stale":
+                batch = rc.build_batch(reqs)
+                rc.build_batch(reqs)  # overwrites the first's metadata
+            else:
+                batch = build_step_batch(reqs, [rc.tokens("b", 5, 6)], [rc.block_of("b")], rc.layout, CFG.window,
+                                         "cpu", graph_rows=rc.backend.model.full_policy.rows,
+                                         view_fields=rc.view_fields, owner=rc)
+            rc.run(batch)
+            out.append(("no error", "", time.monotonic() - t0))
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            out.append((type(e).__name__, str(e), time.monotonic() - t0))
+    return out
+
+
+@pytest.mark.parametrize("how,error", [("stale", "stale StepBatch"), ("strict", "metadata_in_place")])
+def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_at_once(how, error):
+    """A data-parallel rank whose step fails before the agreement still joins it, as
+    failed: the other rank raises at once naming it, instead of waiting in the step's
+    collectives until the group's timeout; the next step runs on both, right."""
+    rank0, rank1 = run_ranks(_one_rank_fails_its_step, 2, how, timeout=300, collective_timeout=60)
+    assert rank1[1][0] in ("RuntimeError", "StrictFallbackError") and error in rank1[1][1], rank1[1]
+    name, message, seconds = rank0[1]
+    assert name == "RankFailed" and "data-parallel rank 1 failed this step" in message, rank0[1]
+    assert seconds < 30, rank0[1]
+    assert max(rank0[0], rank0[2], rank1[0], rank1[2]) <= TOL, (rank0, rank1)
+
+
 def _other_layers(rank: int, world: int) -> None:
     """The same options, models of other depths: the traces differ, seen at capture."""
     cfg = CFG if rank == 0 else preset("tiny").with_layers(8, (1, 3)).replace(window=16)
@@ -193,21 +250,31 @@ def test_groups_of_one_rank_run_their_collectives_too(how):
 
 
 def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
-    """One all-reduce (max) of five numbers: no graphs if any rank has none, the largest
+    """One all-reduce (max) of six numbers: no graphs if any rank has none, the largest
     token count and replay rows, trimming if any rank has rows to trim, no FULL graph
-    if any rank's batch cannot take one."""
+    if any rank's batch cannot take one, and the highest rank that failed the step."""
     from replay_backend.dispatch import agree as agree_mod
 
     sent = []
-    other = [torch.tensor([0, 90, 1, 40, 0])]  # graphs, 90 tokens, trimmable, 40 rows, FULL possible
+    other = [torch.tensor([0, 90, 1, 40, 0, 0])]  # graphs, 90 tokens, trimmable, 40 rows, FULL possible, no failure
 
     def fake_all_reduce(t, op, group):
         sent.append(t.tolist())
         t.copy_(torch.maximum(t, other[0]))
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(dist, "get_rank", lambda group: 2)
     got = agree_mod.agree(object(), True, 20, False, 20, True)
-    assert got == agree_mod.Agreement(True, 90, True, 40, True) and sent == [[0, 20, 0, 20, 0]]
+    assert got == agree_mod.Agreement(True, 90, True, 40, True) and sent == [[0, 20, 0, 20, 0, 0]]
     assert agree_mod.agree(object(), False, 100, False, 60) == agree_mod.Agreement(False, 100, True, 60, False)
-    other[0] = torch.tensor([0, 4, 0, 4, 1])  # the other rank's batch cannot run FULL
+    other[0] = torch.tensor([0, 4, 0, 4, 1, 0])  # the other rank's batch cannot run FULL
     assert agree_mod.agree(object(), True, 2, False, 2, True) == agree_mod.Agreement(True, 4, False, 4, False)
+    other[0] = torch.tensor([0, 4, 0, 4, 0, 2])  # rank 1 failed; this one (2) too
+    got = agree_mod.agree(object(), True, 0, False, 0, True, failed=True)
+    assert sent[-1] == [0, 0, 0, 0, 0, 3] and got.failed_rank == 2
+    other[0] = torch.tensor([0, 4, 0, 4, 0, 2])
+    got = agree_mod.agree(object(), True, 4, False, 4, True)
+    assert got.failed_rank == 1
+    with pytest.raises(agree_mod.RankFailed, match="data-parallel rank 1 failed this step"):
+        agree_mod.check_no_rank_failed(got)
+    agree_mod.check_no_rank_failed(agree_mod.Agreement(True, 4, False, 4))

@@ -3,8 +3,8 @@
 The ranks of a data-parallel group run batches of their own, yet their steps must
 meet: a collective inside a captured piece (an expert-parallel MoE's token exchange)
 needs every rank in the same graph at the same size, and in the replay region at the
-same replay size. So before each step every rank offers five numbers and all take the
-maximum of each (one all-reduce of five integers):
+same replay size. So before each step every rank offers six numbers and all take the
+maximum of each (one all-reduce of six integers):
 
 * whether it must run without graphs (a warm-up step): then no rank uses graphs;
 * its token count: every rank pads its main layers to the size that fits the largest
@@ -17,7 +17,10 @@ maximum of each (one all-reduce of five integers):
   rank's;
 * whether its batch cannot run as one FULL graph (not laid out for one, or not a
   uniform decode where attention needs that): then no rank runs FULL, every rank
-  takes the other graphs of the agreed size (pieces, or none in a mode without).
+  takes the other graphs of the agreed size (pieces, or none in a mode without);
+* whether it failed before the agreement (a stale batch, a fallback under ``strict``),
+  as its rank plus one: then every rank raises :class:`RankFailed` naming it, instead
+  of waiting in a collective of the step that rank will not join.
 
 From these every rank derives the same decision (decide.plan_step). An idle rank
 takes part through a dummy step of one token, padded to the agreed size. The group is
@@ -40,13 +43,30 @@ class Agreement:
     trimmable: bool  # some rank has a prefill longer than the window
     replay_rows: int  # the largest rank's replay rows
     full: bool = True  # every rank's batch may run as one FULL graph
+    failed_rank: int | None = None  # a rank (the highest) that failed the step before agreeing
 
 
-def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, full: bool = False) -> Agreement:
-    """All-reduce (max) this rank's offer over ``group``; returns what every rank takes."""
+class RankFailed(RuntimeError):
+    """Another data-parallel rank failed this step before the ranks agreed on it."""
+
+
+def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, full: bool = False,
+          failed: bool = False) -> Agreement:
+    """All-reduce (max) this rank's offer over ``group``; returns what every rank takes.
+    ``failed``: this rank raises after the agreement instead of running the step."""
     import torch.distributed as dist
 
-    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows, int(not full)], dtype=torch.int64)
+    me = dist.get_rank(group) + 1 if failed else 0
+    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows, int(not full), me], dtype=torch.int64)
     dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=group)
-    no_graphs, tokens, trimmable, rows, no_full = offer.tolist()
-    return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full)
+    no_graphs, tokens, trimmable, rows, no_full, failed_rank = offer.tolist()
+    return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full,
+                     int(failed_rank) - 1 if failed_rank else None)
+
+
+def check_no_rank_failed(agreement: Agreement) -> None:
+    """Raise :class:`RankFailed` where another rank gave up the step before agreeing."""
+    if agreement.failed_rank is not None:
+        raise RankFailed(f"dsv41_replay: data-parallel rank {agreement.failed_rank} failed this step before the "
+                         "ranks agreed on it (its own error says why), so no rank runs it: the step's collectives "
+                         "would wait for that rank")

@@ -14,14 +14,14 @@ import torch
 from torch import fx
 
 from ..config import ReplayConfig
-from ..fallbacks import Fallback
+from ..fallbacks import Fallback, StrictFallbackError
 from ..forward_context import get_forward_context, has_forward_context
 from ..lifecycle import Phase
 from ..capture.full import FullGraphs
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..parallel import check_same_plan
-from .agree import agree
+from .agree import agree, check_no_rank_failed
 from .direct import GraphCall
 from .trim_op import ReplayRuntime, pad_rows
 
@@ -118,7 +118,10 @@ class CompiledReplayModel:
         if ctx is None:
             out, plan = self._step(ctx, args)
         else:
-            ctx.batch.check_current()  # a batch whose metadata a later build overwrote
+            try:
+                ctx.batch.check_current()  # a batch whose metadata a later build overwrote
+            except RuntimeError as e:
+                self._fail(e)
             ctx.compiled_step = True
             try:
                 out, plan = self._step(ctx, args)
@@ -152,15 +155,19 @@ class CompiledReplayModel:
         policy = self.full_policy
         full = policy is not None and batch is not None and batch.graph is not None
         if full and not policy.reads(batch):
-            self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but not where they read "
-                              "(built outside the backend's metadata buffer, or for another number of rows) runs in "
-                              "pieces: build it with the compiled model's build_batch")
+            try:
+                self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but not where they "
+                                  "read (built outside the backend's metadata buffer, or for another number of "
+                                  "rows) runs in pieces: build it with the compiled model's build_batch")
+            except StrictFallbackError as e:
+                self._fail(e)
             full = False
         full = full and policy.takes(batch.requests)
         agreement = None
-        if self.dp_group is not None and not self.res.lifecycle.capturing_main:
+        if self._agrees:
             agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
                               batch.replay.num_rows if batch is not None else num_tokens, full)
+            check_no_rank_failed(agreement)
         if self.replay is not None and ctx is not None:
             plan = self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement, full)
         else:
@@ -168,6 +175,20 @@ class CompiledReplayModel:
         if self.tp_group is not None:
             check_same_plan(plan, self.tp_group)
         return plan
+
+    @property
+    def _agrees(self) -> bool:
+        """Whether this step is agreed with data-parallel ranks (not while the main
+        graphs are captured: every rank captures the same size then)."""
+        return self.dp_group is not None and not self.res.lifecycle.capturing_main
+
+    def _fail(self, error: Exception):
+        """Raise ``error``, this rank's own before the step's agreement: with
+        data-parallel ranks after telling them in the agreement, so that each raises
+        too rather than wait in a collective of the step this rank will not join."""
+        if self._agrees:
+            agree(self.dp_group, False, 0, False, 0, failed=True)
+        raise error
 
     def _step(self, ctx, args) -> tuple:
         """Run one step; returns (outputs, its plan, or None for a graph without tokens)."""

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..compat import collectives
 from ..oplib import define_op
 from ..parallel import check_same
 from ..passes.roles import declare_row_local
@@ -126,21 +127,17 @@ def tp_all_reduce(x: torch.Tensor, parallel: Parallel | None) -> torch.Tensor:
     of one rank too, so that one GPU runs the collective inside its graphs."""
     if parallel is None or parallel.tp_group is None:
         return x
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.all_reduce(x, "sum", parallel.tp_group)
+    return collectives.all_reduce_sum(x, parallel.tp_group)
 
 
 def _dep_moe(x: torch.Tensor, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
              first_expert: int, top_k: int, group: str) -> torch.Tensor:
-    import torch.distributed._functional_collectives as funcol
-
     from .layers import local_experts, mm_fp32, route
 
-    every = funcol.all_gather_tensor(x.contiguous(), 0, group)  # every DP rank's rows, rank order
+    every = collectives.all_gather_rows(x.contiguous(), group)  # every DP rank's rows, rank order
     top_w, top_i = route(torch.softmax(mm_fp32(every, router), dim=-1), top_k)
     partial = local_experts(every, top_w, top_i, w_gate_up, w_down, first_expert)
-    return funcol.reduce_scatter_tensor(partial, "sum", 0, group)  # each rank's rows, summed over ranks
+    return collectives.reduce_scatter_rows(partial, group)  # each rank's rows, summed over ranks
 
 
 def _dep_moe_fake(x, router, w_gate_up, w_down, first_expert, top_k, group):
