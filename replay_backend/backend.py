@@ -193,10 +193,11 @@ class ReplayBackend:
         ``GraphMemoryEstimate``), from the dummy steps of ``setup`` (a ``StepSetup``)."""
         setup = self.use(setup)
         model = self._learned_model("estimate_graph_memory")
-        resolve_policy(self.config, model, setup, self._metadata_buffer(setup))
+        metadata = self._metadata_buffer(setup)
+        run_full = full_capture_step(model, setup, metadata, resolve_policy(self.config, model, setup, metadata))
         with set_forward_context(setup.context(setup.dummy_batch(setup.window))), torch.no_grad():
             return model.estimate_graph_memory(lambda n: run_dummy(model, setup, n, use_graphs=False),
-                                               setup.replay_view)
+                                               setup.replay_view, run_full)
 
     def start_serving(self, setup=None) -> None:
         """Warm-up (and capture) is over: no capture from now on, an uncaptured size is a

@@ -9,6 +9,7 @@ PIECEWISE runs of one step are checked to the bit. The reference model and a toy
 model (tests/full_toy.py, whose attention ops declare each ``CudagraphSupport``)."""
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -298,6 +299,61 @@ def test_the_downgrade_is_decided_and_counted_once():
         with pytest.raises(RuntimeError, match="estimate_graph_memory needs CUDA"):  # after deciding the policy
             compiled.estimate_graph_memory(server.setup)
         compiled.capture(server.setup)
+
+
+def test_the_memory_estimate_runs_the_largest_full_step_as_its_graph_holds_it(monkeypatch):
+    """FULL graphs are captured first into the pool: the estimate runs the largest FULL
+    size's capture step without a graph, its attention reading the graph layout (whose
+    scratch may be sized for the cache's longest sequence), and the pool covers that
+    peak. Nothing is captured by it, and capture and the served steps follow as usual.
+    The peaks are faked here (the estimate needs CUDA): each is what ran inside it."""
+    from replay_backend.capture import memory
+    from replay_backend.dispatch.compiled import CompiledReplayModel
+
+    model = ToyModel("always").eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"),
+                                      options={**TOY_OPTS, "cudagraph_mode": "full_and_piecewise"})
+    server = OwnServer(model, toy_cache, compiled, max_model_len=TOY_LEN, max_num_seqs=4)
+    server.warm_up()
+    inner = compiled.backend.model
+    ran = []
+    pieces_at = CompiledReplayModel._pieces_at
+
+    def spy(self, size, new):
+        view = replay_backend.get_forward_context().active
+        ran.append((size, view.graph.rows if view.graph is not None else None))
+        return pieces_at(self, size, new)
+
+    peaks = []
+
+    @contextlib.contextmanager
+    def fake_peak():
+        got = [0]
+        yield got
+        plan = inner.last_plan
+        peaks.append((plan.kind, plan.padded_tokens))
+        got[0] = 1000 * len(peaks)
+
+    monkeypatch.setattr(CompiledReplayModel, "_pieces_at", spy)
+    monkeypatch.setattr(memory, "_peak", fake_peak)
+    monkeypatch.setattr(inner.res, "use_cuda", True)
+    est = compiled.estimate_graph_memory(server.setup)
+    sizes = inner.full_policy.sizes
+    # the main step without graphs, then the largest FULL step, whose work ran directly
+    # (size None) on the graph layout's views at its size
+    assert peaks == [(EAGER, max(TOY_OPTS["cudagraph_capture_sizes"])), (FULL, sizes[-1])], peaks
+    assert ran == [(None, sizes[-1])], ran
+    assert est.main_peak_bytes == 1000 and est.full_peak_bytes == 2000 and est.full_graphs == len(sizes)
+    assert est.total_bytes >= est.full_peak_bytes + est.full_output_bytes
+    assert not inner.full.graphs and compiled.backend.lifecycle.phase.value == "warming"
+    monkeypatch.setattr(inner.res, "use_cuda", False)
+    compiled.capture(server.setup)
+    compiled.start_serving()
+    oracle = OwnServer(model, toy_cache, max_model_len=TOY_LEN, max_num_seqs=4)
+    for step in TOY_STEPS:
+        result, err = toy_step(server, oracle, step)
+        assert err <= 1e-5, (step, result, err)
+    assert {toy_step(server, oracle, [R("b", 1, 6)])[0].kind} == {FULL}
 
 
 @pytest.mark.parametrize("attention", ["never", "undeclared"])

@@ -102,3 +102,19 @@ def test_an_own_model_serves_full_graphs_on_cuda_with_inductor_pieces():
         kinds.append(result.kind.value)
         assert err <= 1e-4, (step, result, err)
     assert kinds.count("full") == len(TOY_STEPS), kinds
+
+
+def test_the_memory_estimate_covers_full_graphs_whose_attention_splits_for_the_longest_sequence():
+    """A cache of long sequences: the FULL attention splits its keys for the longest
+    one the cache holds, whatever the step, so its graphs' scratch is larger than a
+    dummy step without the graph layout needs. The estimate made before capture runs
+    the largest FULL step as its graph holds it, and covers what capture takes."""
+    model = build_model(CFG, "cuda", torch.float32)
+    be = ReplayBackend(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES, max_num_seqs=16,
+                       max_num_batched_tokens=2048)
+    runner = StepRunner(model, max_model_len=32768, max_num_seqs=16, max_num_batched_tokens=2048, backend=be)
+    est = runner.estimate_graph_memory()
+    summary = runner.capture()
+    took = sum(level["gib"] for level in summary.values())
+    assert est.full_peak_bytes > 0 and est.full_graphs == summary["full"]["graphs"], (est, summary)
+    assert took <= 1.5 * est.total_gib + 0.125, (summary, est)

@@ -101,6 +101,8 @@ class FullGraphs:
         """The step at ``size`` with arguments ``args``: its graph's replay, captured now
         where the backend may capture; without one, ``fallback()`` (the same step in
         pieces), counted."""
+        if self.res.lifecycle.measuring:  # the graph's work without the graph: its memory (capture/memory.py)
+            return run()
         reads = watched(ctx.active)
         graph = self.graphs.get(size)
         if graph is not None:

@@ -4,9 +4,13 @@ All graphs share one pool and keep non-owning outputs (``capture/graphs.py``), s
 pool settles at about one step's activations at the largest main size, plus the
 outputs that stay owned because they are alive across the trim op (one set per main
 size), plus whatever the replay graphs need beyond the memory the main step freed.
-The estimate measures the two peaks by running one step at the largest main size and
+The estimate measures the peaks by running one step at the largest main size and
 the region at the largest replay size without graphs, on the caching allocator the pool
-uses, and scales the owned outputs linearly in the token count.
+uses, and scales the owned outputs linearly in the token count. FULL graphs are
+captured first, into the same pool: the largest one's step is run too, as its graph
+will hold it (attention reading the graph layout, whose scratch may be sized for the
+longest sequence the cache holds rather than the step's), and the pool covers the
+largest of those peaks.
 
 On top of that every captured graph costs device memory of its own (the instantiated
 graph and the pool's segment rounding). That part is not measurable without
@@ -37,6 +41,7 @@ class GraphMemoryEstimate:
     total_bytes: int
     full_graphs: int = 0  # FULL graphs capture() will take, one per FULL size
     full_output_bytes: int = 0  # their outputs, which each keeps (summed over the FULL sizes)
+    full_peak_bytes: int = 0  # activations of the largest FULL step, as its graph holds it
 
     @property
     def total_gib(self) -> float:
@@ -62,7 +67,8 @@ def _peak() -> Iterator[list[int]]:
 
 def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object],
                           replay_view_for: Callable[[int], object],
-                          per_graph_bytes: int = PER_GRAPH_BYTES) -> GraphMemoryEstimate:
+                          per_graph_bytes: int = PER_GRAPH_BYTES,
+                          run_full_step: Callable[[int], object] | None = None) -> GraphMemoryEstimate:
     """``model`` is a CompiledReplayModel before capture; see its method of this name."""
     if not model.res.use_cuda:
         raise RuntimeError("estimate_graph_memory needs CUDA graphs: this model runs on "
@@ -73,19 +79,19 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     main_sizes = sorted(model.main_level.sizes)
     full_sizes = list(model.full_policy.sizes) if model.full_policy is not None else []
     kept_runners = [r for r in model.runners("main") if r.keep_outputs]
-    main_peak = kept_at_max = replay_peak = out_row_bytes = 0
+    main_peak = kept_at_max = replay_peak = out_row_bytes = full_peak = 0
     measured = max(main_sizes[-1:] + full_sizes[-1:], default=0)
     if measured:
-        life = model.res.lifecycle
-        life.advance(Phase.MEASURING)
-        try:
+        with _measuring(model):
             with _peak() as p:
                 run_step_without_graphs(measured)
-        finally:
-            life.advance(Phase.WARMING)
         main_peak = p[0]
         kept_at_max = sum(r.kept_bytes for r in kept_runners)
         out_row_bytes = model.output_row_bytes
+    if full_sizes and run_full_step is not None:
+        with _measuring(model), _peak() as p:
+            run_full_step(full_sizes[-1])
+        full_peak = p[0]
     rep = model.replay
     if rep is not None and rep.replay_sizes and rep.consts is not None:
         n = max(rep.level.sizes)
@@ -97,7 +103,7 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     # The largest step's owned outputs are inside its peak; the other sizes add theirs
     # (without main graphs nothing stays owned, and the peak is all there is).
     after_main = main_peak + kept - kept_at_max if main_sizes else main_peak
-    pools = max(after_main, kept + replay_peak)
+    pools = max(after_main, kept + replay_peak, full_peak)
     graphs = len(main_sizes) * len(model.runners("main"))
     if rep is not None:
         graphs += len(rep.level.sizes) * len(model.runners("replay"))
@@ -109,4 +115,15 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     full_graph_bytes = len(full_sizes) * max(1, pieces) * per_graph_bytes
     return GraphMemoryEstimate(main_peak, kept, replay_peak, graphs, per_graph_bytes,
                                pools + graphs * per_graph_bytes + full_out + full_graph_bytes,
-                               len(full_sizes), full_out)
+                               len(full_sizes), full_out, full_peak)
+
+
+@contextlib.contextmanager
+def _measuring(model) -> Iterator[None]:
+    """Steps run without graphs, as the estimate's (a FULL step runs its graph's work)."""
+    life = model.res.lifecycle
+    life.advance(Phase.MEASURING)
+    try:
+        yield
+    finally:
+        life.advance(Phase.WARMING)

@@ -278,14 +278,15 @@ class CompiledReplayModel:
         return tuple(o[:t] if isinstance(o, torch.Tensor) else o for o in out)
 
     # ---- capture --------------------------------------------------------------------
-    def estimate_graph_memory(self, run_step_without_graphs, replay_view_for):
+    def estimate_graph_memory(self, run_step_without_graphs, replay_view_for, run_full_step=None):
         """What :meth:`capture` will take from the GPU, measured without capturing
         (a :class:`~replay_backend.capture.memory.GraphMemoryEstimate`).
         ``run_step_without_graphs(n)`` runs a dummy step of ``n`` tokens with a forward
-        context whose ``use_graphs`` is False."""
+        context whose ``use_graphs`` is False; ``run_full_step(n)``, capture's dummy
+        FULL step of ``n`` tokens (capture/full.py), runs as its graph will hold it."""
         from ..capture.memory import estimate_graph_memory
 
-        return estimate_graph_memory(self, run_step_without_graphs, replay_view_for)
+        return estimate_graph_memory(self, run_step_without_graphs, replay_view_for, run_full_step=run_full_step)
 
     def attention_ops(self) -> list[str]:
         """The attention ops the step runs (``namespace::name``), once each."""
