@@ -161,3 +161,16 @@ def test_the_oracle_can_be_another_model_with_the_same_weights(model):
     wider.cfg = model.cfg.replace(window=2 * model.cfg.window, moe_impl="dense")
     with pytest.raises(ValueError, match="differs from the served model in window: .* only in attention_impl"):
         soak(model, 3, seed=4, oracle_model=wider, **kw)
+
+
+def test_full_graphs_pass_the_soak_beside_trimming_steps(model):
+    """full_and_piecewise (FULL graphs emulated on the CPU, each replay under its
+    captured step's context): random decodes, speculative decodes and small mixed steps
+    run as FULL graphs, every written slot and logit against the oracle, and the steps
+    that trim still run in pieces."""
+    from replay_backend.reference.soak import soak
+
+    report = soak(model, 60, seed=7, **KW, options={**OPTS, "cudagraph_mode": "full_and_piecewise"})
+    assert report.mismatches == [] and report.counters_moved == {}, report.render()
+    assert any(k.startswith("full/untrimmed") for k in report.kinds), report.kinds
+    assert "piecewise/trimmed/replay-graph/io-graphs" in report.kinds, report.kinds
