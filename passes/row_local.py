@@ -11,10 +11,11 @@ reads rows must read and make tensors with exactly one, of the row count's size:
 result without one reduced the rows, with two paired them, of another size selected,
 shifted or folded them. What those checks cannot see (along which dimension an op
 works, what a shape argument spans, what a product contracts) each op's rule decides
-from its arguments bound to its schema or signature (:mod:`.row_rules`). The analysis
-is a list of what is proven row-local: an op without a rule is refused with its name,
-since it may shift, convolve or reduce rows in ways no structural check sees. Opaque ops that work on each
-row alone (a fused per-token kernel) are declared with :func:`roles.declare_row_local`;
+from its arguments bound to its schema or signature (:mod:`.row_tables` says which
+rule, :mod:`.row_rules` and :mod:`.row_indexing` hold them). The analysis is a list
+of what is proven row-local: an op without a rule is refused with its name, since it
+may shift, convolve or reduce rows in ways no structural check sees. Opaque ops that
+work on each row alone (a fused per-token kernel) are declared with :func:`roles.declare_row_local`;
 splitting ops are checked by the caller's rules, not here.
 """
 from __future__ import annotations
@@ -26,9 +27,10 @@ import re
 import torch
 from torch import fx
 
-from . import row_rules as rules
+from . import row_tables as rules
 from ..ops import TRIM
-from .common import node_value, op_name, op_tags
+from .common import named_args, node_value, op_name, op_tags
+from .row_call import Call, aligned
 from .roles import OpRole, roles_of
 
 # The trim op reads the rows it is given and the step's own: padding is its concern.
@@ -141,18 +143,18 @@ def _row_mixing(node: fx.Node, token_syms: set, row_counts: set) -> str | None:
             return f"{where} pairs rows with rows"
         if o.shape[d[0]].node.expr not in row_counts:
             return f"{where} changes the number of rows"
-    call = rules.Call(node, short, where, [(a, x, d[0]) for a, x, d in rowed],
+    call = Call(node, short, where, [(a, x, d[0]) for a, x, d in rowed],
                       [(o, token_dims(o, token_syms)[0]) for o in outs])
     return _rule(call)
 
 
-def _rule(c: rules.Call) -> str | None:
+def _rule(c: Call) -> str | None:
     node, target = c.node, c.node.target
     if node.op == "call_function" and isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         if declared_row_local(target):
             return None
         if torch.Tag.pointwise in op_tags(node):
-            return rules.aligned(c)
+            return aligned(c)
         if not op_name(target).startswith("aten::"):
             return c.refuse("is not known to be row-local: declare it with replay_backend.declare_row_local if "
                             "it works on each row alone, or with replay_backend.declare_attention if it reads "
@@ -163,7 +165,7 @@ def _rule(c: rules.Call) -> str | None:
     if short.endswith("_") and not short.startswith("_") and short not in rules.POINTWISE:
         short = short[:-1]  # an in-place op writes its result over its input, row by row as its twin
     if short in rules.POINTWISE:
-        return rules.aligned(c)
+        return aligned(c)
     if short in rules.CONSTANT_FACTORIES or short in rules.MOVES:
         return None  # the checks above: one whole token dimension in and out
     rule = rules.RULES.get(short)
@@ -182,7 +184,7 @@ def _row_count_as_value(node: fx.Node, short: str, token_syms: set) -> str | Non
     differs between a step and its replay rows, or its padded rows."""
     if short in rules.RESHAPES or short in rules.MOVES or short == "getitem":
         return None
-    args = rules.named_args(node)
+    args = named_args(node)
     if short in rules.CONSTANT_FACTORIES:  # sizes, but for the fill value
         at = {"full": 1, "full_like": 1, "new_full": 2}.get(short)
         values = [args.get("fill_value", node.args[at] if at is not None and len(node.args) > at else None)]

@@ -12,78 +12,21 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
-from .common import named_args, node_value
-
-_MISSING = object()
-
-
-@dataclass
-class Call:
-    """One call as the rules see it. ``rowed`` lists (argument, value, token dimension)
-    for every tensor read that carries the rows."""
-
-    node: fx.Node
-    name: str
-    where: str
-    rowed: list
-    outs: list  # (value, token dimension) of every tensor it makes
-    args: dict = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.args = named_args(self.node, defaults=True)
-
-    def tdim(self, value) -> int | None:
-        for _, x, d in self.rowed:
-            if x is value:
-                return d
-        return None
-
-    def arg(self, *names: str, pos: int | None = None, default=_MISSING):
-        """A bound argument by one of its names, else the positional one (for calls no
-        signature binds), else ``default``; ``_MISSING`` where absent."""
-        for n in names:
-            if n in self.args:
-                return self.args[n]
-            if n in self.node.kwargs:
-                return self.node.kwargs[n]
-        if not self.args and pos is not None and len(self.node.args) > pos:
-            return self.node.args[pos]
-        return default
-
-    @property
-    def src(self):
-        """The value of the call's first argument (``self``, ``input``; a list's values)."""
-        a = self.node.args[0] if self.node.args else self.arg("input", "self", "tensors", "tensor", default=None)
-        return [_value(x) for x in a] if isinstance(a, (list, tuple)) else _value(a)
-
-    def refuse(self, why: str) -> str:
-        return f"{self.where} {why}"
-
-
-def _value(a):
-    return node_value(a) if isinstance(a, fx.Node) else a
-
-
-def aligned(c: Call) -> str | None:
-    """Broadcasting keeps rows apart when every token dimension sits at the same place
-    counted from the last dimension: row i then meets row i of every operand and lands
-    in row i of the result."""
-    places = {x.dim() - d for _, x, d in c.rowed} | {o.dim() - d for o, d in c.outs}
-    return None if len(places) == 1 else c.refuse("broadcasts rows against other dimensions")
+from .common import node_value
+from .row_call import MISSING, Call, aligned, value_of
 
 
 # ---- ops along a dimension -----------------------------------------------------------
 def _dims(c: Call, names=("dim", "dims", "axis", "dimension")):
     """The dimensions the call works along as a list of ints, or a reason why not."""
     dims = c.arg(*names)
-    if dims is _MISSING and not c.args and len(c.node.args) > 1:
+    if dims is MISSING and not c.args and len(c.node.args) > 1:
         return c.refuse("works along a dimension that could not be read from its arguments")
-    if dims is _MISSING or dims is None or isinstance(dims, (list, tuple)) and not dims:
+    if dims is MISSING or dims is None or isinstance(dims, (list, tuple)) and not dims:
         return c.refuse("works over every dimension, the token dimension among them (no dim given)")
     dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
@@ -127,7 +70,7 @@ def indexed_along_dim(c: Call) -> str | None:
     why = along_dim(c)
     if why is not None:
         return why
-    tensors = {id(v) for v in map(_value, _flat(c.node.args, c.node.kwargs)) if isinstance(v, torch.Tensor)}
+    tensors = {id(v) for v in map(value_of, _flat(c.node.args, c.node.kwargs)) if isinstance(v, torch.Tensor)}
     if len(c.rowed) < len(tensors):
         return c.refuse("reads an index or source whose rows do not line up with its input's")
     return None
@@ -137,7 +80,7 @@ def index_along_dim(c: Call) -> str | None:
     """index_select, index_add, index_copy, index_fill: a row-free index picks the same
     places in every row when it runs along another dimension; a table without rows read
     by a token-indexed index (``table.index_select(0, positions)``) is a lookup per row."""
-    x, index = c.src, _value(c.arg("index", pos=2))
+    x, index = c.src, value_of(c.arg("index", pos=2))
     if c.tdim(x) is None:
         return None if c.name == "index_select" else c.refuse("writes rows into a tensor without them")
     if c.tdim(index) is not None:
@@ -181,7 +124,7 @@ def batch_norm(c: Call) -> str | None:
     running = c.arg("running_mean", pos=1, default=None)
     tdim = c.tdim(c.src)
     if training is not False and c.name == "instance_norm":
-        if running is not None and running is not _MISSING:
+        if running is not None and running is not MISSING:
             return c.refuse("updates running statistics from every row")
         return _only_input_rowed(c) if tdim in (0, 1) else c.refuse("normalises over the token dimension")
     if training is not False:
@@ -255,11 +198,11 @@ def matmul(c: Call) -> str | None:
     names = {"linear": ("input", "weight"), "baddbmm": ("batch1", "batch2"), "addbmm": ("batch1", "batch2"),
              "addmm": ("mat1", "mat2"), "addmv": ("mat", "vec"), "mv": ("input", "vec"),
              "mm": ("input", "mat2"), "bmm": ("input", "mat2")}.get(c.name, ("input", "other"))
-    a, b = (_value(c.arg(n, "self" if i == 0 else n, pos=first + i)) for i, n in enumerate(names))
+    a, b = (value_of(c.arg(n, "self" if i == 0 else n, pos=first + i)) for i, n in enumerate(names))
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return c.refuse("could not be read as a product of two tensors")
     if c.name == "linear":  # a @ weight.T: the weight's rows are its outputs
-        if c.tdim(b) is not None or c.tdim(_value(c.arg("bias", pos=2, default=None))) is not None:
+        if c.tdim(b) is not None or c.tdim(value_of(c.arg("bias", pos=2, default=None))) is not None:
             return c.refuse("reads a token-indexed weight")
         return c.refuse("contracts the token dimension") if c.tdim(a) == a.dim() - 1 else None
     if c.name == "addbmm":
@@ -275,7 +218,7 @@ def matmul(c: Call) -> str | None:
 
 
 def outer(c: Call) -> str | None:
-    a, b = (_value(x) for x in c.node.args[:2])
+    a, b = (value_of(x) for x in c.node.args[:2])
     return c.refuse("pairs rows with rows") if c.tdim(a) is not None and c.tdim(b) is not None else None
 
 
@@ -289,7 +232,7 @@ def einsum(c: Call) -> str | None:
     operands = c.node.args[1] if isinstance(c.node.args[1], (list, tuple)) else c.node.args[1:]
     letters = set()
     for spec, a in zip(lhs.split(","), operands):
-        d = c.tdim(_value(a))
+        d = c.tdim(value_of(a))
         if d is not None:
             letters.add(spec[d])
     if len(letters) != 1 or out.count(next(iter(letters))) != 1:
@@ -300,7 +243,7 @@ def einsum(c: Call) -> str | None:
 def embedding(c: Call) -> str | None:
     """A lookup per row, unless the table carries rows, or ``max_norm`` renormalises the
     table in place from the rows looked up (which later steps then read)."""
-    weight = _value(c.arg("weight", pos=1))
+    weight = value_of(c.arg("weight", pos=1))
     if c.tdim(weight) is not None:
         return c.refuse("looks up a token-indexed table")
     return None if c.arg("max_norm", default=None) is None else c.refuse("renormalises its table from the rows")
@@ -333,133 +276,3 @@ def dropout(c: Call) -> str | None:
     if training is False or p == 0:
         return None
     return random_draw(c)
-
-
-# ---- indexing --------------------------------------------------------------------------
-def _walk(c: Call, base, index) -> tuple[str | None, int, int]:
-    """(why indexing ``base`` may mix rows, where its token dimension lands, how many
-    dimensions the result has). Every row is kept only by a full slice at the token
-    dimension; a tensor index on a token-indexed tensor is refused whatever it indexes."""
-    entries = index if isinstance(index, tuple) else (index,)
-    tdim, ndim = c.tdim(base), base.dim()
-    dim = out = 0
-    at = None
-    for k, e in enumerate(entries):
-        if e is Ellipsis:
-            skip = ndim - dim - sum(1 for x in entries[k + 1:] if x is not None)
-            at = out + tdim - dim if dim <= tdim < dim + skip else at
-            dim, out = dim + skip, out + skip
-        elif e is None:
-            out += 1
-        elif isinstance(_value(e), torch.Tensor):
-            return c.refuse("indexes a token-indexed tensor with a tensor"), 0, 0
-        elif isinstance(e, bool) or not (isinstance(e, int) or isinstance(e, slice) and not any(
-                isinstance(b, fx.Node) for b in (e.start, e.stop, e.step))):
-            # a list, a bool, or a bound computed from the row count: sizes it cannot read
-            return c.refuse("indexes a token-indexed tensor in a way not analysed"), 0, 0
-        elif dim == tdim:
-            if not (isinstance(e, slice) and e == slice(None)):
-                return c.refuse("selects or shifts rows"), 0, 0
-            at, dim, out = out, dim + 1, out + 1
-        else:
-            out, dim = out + isinstance(e, slice), dim + 1
-    if at is None:  # the token dimension is among the trailing ones the index leaves whole
-        at = out + tdim - dim
-    return None, at, out + ndim - dim
-
-
-def getitem(c: Call) -> str | None:
-    base, index = _value(c.node.args[0]), c.node.args[1]
-    if c.tdim(base) is not None:
-        return _walk(c, base, index)[0]
-    # A table without rows indexed by token-indexed tensors: a lookup per row, provided
-    # the index tensors broadcast row against row and nothing else depends on the rows.
-    entries = index if isinstance(index, tuple) else (index,)
-    for e in entries:
-        v = _value(e)
-        if isinstance(v, torch.Tensor) and c.tdim(v) is None or isinstance(e, fx.Node) and not isinstance(
-                v, torch.Tensor) or isinstance(e, slice) and any(isinstance(b, fx.Node) for b in (e.start, e.stop)):
-            return c.refuse("indexes a table in a way not analysed")
-    if len({v.dim() - d for _, v, d in c.rowed}) > 1:
-        return c.refuse("indexes a table by tensors whose rows do not line up")
-    return None
-
-
-def setitem(c: Call) -> str | None:
-    """``base[index] = value`` writes row i of the view from row i of ``value`` (or the
-    same value into every row); a write into a tensor without rows from rows is refused."""
-    base, index, value = (_value(a) for a in c.node.args[:3])
-    if c.tdim(base) is None:
-        return c.refuse("writes rows into a tensor without them")
-    why, at, ndim = _walk(c, base, c.node.args[1])
-    if why is None and c.tdim(value) is not None and value.dim() - c.tdim(value) != ndim - at:
-        return c.refuse("writes rows into other rows")
-    return why
-
-
-# ---- the tables ------------------------------------------------------------------------
-POINTWISE = frozenset({
-    "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "neg", "pos", "pow", "abs",
-    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "square", "sign",
-    "sigmoid", "silu", "relu", "relu6", "gelu", "tanh", "softplus", "mish", "elu", "selu", "celu", "leaky_relu",
-    "hardtanh", "hardswish", "hardsigmoid", "logsigmoid", "softsign", "tanhshrink", "threshold", "erf", "erfc",
-    "sin", "cos", "tan", "atan", "atan2", "asin", "acos", "sinh", "cosh", "floor", "ceil", "round", "trunc", "frac",
-    "clamp", "clamp_min", "clamp_max", "clip", "maximum", "minimum", "fmax", "fmin", "where", "masked_fill",
-    "lerp", "addcmul", "addcdiv", "hypot", "logaddexp", "isnan", "isinf", "isfinite", "logit", "xlogy",
-    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
-    "and_", "or_", "xor", "invert", "lshift", "rshift", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
-    "float", "double", "half", "bfloat16", "int", "long", "bool", "to", "type", "type_as", "clone", "contiguous",
-    "detach", "nan_to_num", "polar", "real", "imag", "conj",
-    "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "copy_", "fill_", "zero_",
-})
-# Shape ops that move or split dimensions but keep the token dimension whole: the
-# checks every call passes (one whole token dimension in and out) are their proof.
-MOVES = frozenset({"unsqueeze", "squeeze", "transpose", "permute", "t", "expand", "expand_as", "movedim",
-                   "moveaxis", "swapaxes", "swapdims", "broadcast_to", "repeat", "tile", "view_as_complex",
-                   "view_as_real", "T", "mT", "H", "mH", "adjoint"})
-# Reshapes: row-local when as many elements precede the token dimension before and after.
-RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"})
-# Ops whose values are the same for every row, whatever shape they are given.
-CONSTANT_FACTORIES = frozenset({"zeros", "ones", "full", "empty", "empty_strided", "new_zeros", "new_ones",
-                                "new_full", "new_empty", "zeros_like", "ones_like", "full_like", "empty_like"})
-# Reading no rows, they make the same values for every row of the token dimension they make.
-SAME_FOR_EVERY_ROW = CONSTANT_FACTORIES | {"expand", "expand_as", "broadcast_to"}
-SIZES = frozenset({"aten::sym_size", "aten::sym_numel", "aten::sym_stride", "size", "dim", "numel", "stride",
-                   "shape", "ndim", "dtype", "device", "layout", "is_cuda", "requires_grad"})
-ALONG_DIM = frozenset({
-    "sum", "nansum", "mean", "nanmean", "amax", "amin", "prod", "var", "std", "var_mean", "std_mean",
-    "logsumexp", "all", "any", "argmax", "argmin", "median", "nanmedian", "mode", "kthvalue", "quantile",
-    "nanquantile", "count_nonzero", "aminmax", "norm", "linalg_vector_norm", "vector_norm", "linalg_norm",
-    "normalize", "cosine_similarity", "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax",
-    "cummin", "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "diff", "glu", "unfold",
-    "cat", "concat", "concatenate", "stack", "chunk", "split", "split_with_sizes", "tensor_split", "unbind",
-    "narrow", "select", "slice",
-})
-RULES = {
-    **{n: along_dim for n in ALONG_DIM},
-    "max": maxmin, "min": maxmin,
-    "fliplr": lambda c: along_dim(c, fixed=1), "flipud": lambda c: along_dim(c, fixed=0),
-    "msort": lambda c: along_dim(c, fixed=0),
-    **{n: indexed_along_dim for n in ("gather", "scatter", "scatter_add", "scatter_reduce", "take_along_dim")},
-    **{n: index_along_dim for n in ("index_select", "index_add", "index_copy", "index_fill")},
-    "layer_norm": layer_norm, "rms_norm": layer_norm, "group_norm": group_norm,
-    "batch_norm": batch_norm, "instance_norm": batch_norm, "local_response_norm": local_response_norm,
-    "pad": pad, "constant_pad_nd": pad,
-    **{f"{p}{k}d": convolution for p in ("conv", "conv_transpose") for k in (1, 2, 3)},
-    **{f"{p}{k}d": pooling for p in ("avg_pool", "max_pool", "adaptive_avg_pool", "adaptive_max_pool", "lp_pool")
-       for k in (1, 2, 3)},
-    **{f"max_pool{k}d_with_indices": pooling for k in (1, 2, 3)},
-    **{f"upsample_{m}": pooling for m in ("nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d",
-                                          "bicubic2d", "trilinear3d", "nearest_exact1d", "nearest_exact2d")},
-    "interpolate": pooling, "upsample": pooling,
-    **{n: matmul for n in ("matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "linear")},
-    "outer": outer, "ger": outer, "einsum": einsum, "embedding": embedding, "getitem": getitem, "setitem": setitem,
-    **{n: random_draw for n in ("rand_like", "randn_like", "randint_like", "bernoulli", "normal", "uniform_")},
-    **{n: dropout for n in ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d")},
-    **{n: reshape for n in RESHAPES},
-}
-# Parameters whose symbolic values are sizes (the row count may size a shape, but a
-# value computed from it differs between a step and its replay rows, or padded rows).
-SHAPE_PARAMS = frozenset({"size", "shape", "sizes", "normalized_shape", "split_size", "split_size_or_sections",
-                          "split_sizes", "indices_or_sections", "sections", "length", "start", "end", "pad",
-                          "output_size", "chunks", "repeats", "stride"})

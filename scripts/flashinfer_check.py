@@ -36,7 +36,7 @@ from replay_backend.reference.cli_options import model_config
 from replay_backend.reference.compare import row_rel_l2, worst_row_rel_l2
 from replay_backend.reference.flashinfer_semantics import EmulatedPrefillWrapper
 from replay_backend.reference.runner import StepRunner
-from replay_backend.reference.soak import compare_step
+from replay_backend.reference.step_compare import compare_step
 
 
 DUMPS = 4

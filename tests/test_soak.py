@@ -8,7 +8,9 @@ import torch
 from replay_backend.backend import ReplayBackend
 from replay_backend.batch import RequestChunk
 from replay_backend.reference.runner import StepRunner
-from replay_backend.reference.soak import Soak, Traffic, spec_of, written_slots
+from replay_backend.reference.soak import Soak, spec_of
+from replay_backend.reference.step_compare import written_slots
+from replay_backend.reference.traffic import Traffic
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 

@@ -12,110 +12,20 @@ step starts from the same context and a mismatch is reported for the step that m
 """
 from __future__ import annotations
 
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from ..requests import RequestChunk, kept_len
+from ..requests import RequestChunk
+from .step_compare import compare_layers, first_over, per_part, written_slots
+from .traffic import Traffic
 from .accuracy import noise_limit, nudged_copy
 from .config import IMPLEMENTATION_FIELDS
 from .compare import default_tolerance, max_abs_err, worst_row_rel_l2
 from ..counters import counters
 from .runner import StepOutput, StepRunner
-
-
-@dataclass
-class _Live:
-    """A request the traffic holds: its prompt, the tokens in cache, decodes to go."""
-
-    req_id: str
-    prompt: int
-    keep_all: bool
-    decodes: int
-    done: int = 0
-
-
-class Traffic:
-    """Random serving traffic within a runner's limits. Each step aims at a token count
-    drawn from one of three bands, in turn: below the trim threshold (a graphed step that
-    does not trim), from the threshold to the largest main capture size (a graphed step
-    that trims), and above it (an eager step); every other eager step takes chunks of at
-    most W tokens or keep-all prefills, so that it has nothing to trim."""
-
-    def __init__(self, seed: int, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 window: int, trim_threshold: int, max_capture_size: int) -> None:
-        self.rng = random.Random(seed)
-        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.max_tokens, self.window = max_num_batched_tokens, window
-        top = max_num_batched_tokens
-        bands = [(1, trim_threshold - 1, None), (trim_threshold, max_capture_size, None),
-                 (max_capture_size + 1, top, None), (max_capture_size + 1, min(top, max_num_seqs * window), window)]
-        self.bands = [(lo, min(hi, top), cap) for lo, hi, cap in bands if lo <= min(hi, top)]
-        self.live: dict[str, _Live] = {}
-        self._next_id = 0
-        self._turn = 0
-
-    def step(self) -> list[RequestChunk]:
-        rng = self.rng
-        lo, hi, cap = self.bands[self._turn % len(self.bands)]
-        self._turn += 1
-        room = rng.randint(lo, hi)
-        cap = cap or self.max_tokens
-        chunks: list[RequestChunk] = []
-        for r in list(self.live.values()):  # decodes first, then unfinished prompts
-            if room == 0 or len(chunks) == self.max_num_seqs:
-                break
-            if r.done >= r.prompt and rng.random() < 0.8:
-                q = min(room, self.max_model_len - r.done, rng.choice((1, 1, 1, 2, 3, 4)))
-                chunks.append(self._chunk(r, q))
-                room -= q
-        for r in list(self.live.values()):
-            if room == 0 or len(chunks) == self.max_num_seqs:
-                break
-            if r.done < r.prompt:
-                q = min(room, r.prompt - r.done, self.max_tokens if r.keep_all else cap)
-                chunks.append(self._chunk(r, q))
-                room -= q
-        while room > 0 and len(chunks) < self.max_num_seqs and len(self.live) < self.max_num_seqs:
-            r = self._arrive(keep_all=0.5 if cap < self.max_tokens else 0.15)
-            q = min(room, r.prompt, self.max_tokens if r.keep_all else cap)
-            chunks.append(self._chunk(r, q))
-            room -= q
-        return chunks
-
-    def _arrive(self, keep_all: float) -> _Live:
-        rng = self.rng
-        keep_all = rng.random() < keep_all
-        longest = min(self.max_model_len - 8, 2048 if keep_all else self.max_model_len - 8)
-        prompt = int(round(2 ** rng.uniform(0, max(1, longest).bit_length() - 1)))
-        r = _Live(f"q{self._next_id}", max(1, min(prompt, longest)), keep_all, rng.randint(0, 6))
-        self._next_id += 1
-        self.live[r.req_id] = r
-        return r
-
-    def _chunk(self, r: _Live, q: int) -> RequestChunk:
-        seq_len = r.done + q
-        kv_start = None
-        if not r.keep_all and q > self.window and self.rng.random() < 0.1:
-            kv_start = seq_len - self.window + self.rng.randint(1, self.window // 2)  # a later floor
-        return RequestChunk(r.req_id, q, seq_len, keep_all=r.keep_all and r.done < r.prompt, kv_start=kv_start)
-
-    def advance(self, chunks: list[RequestChunk]) -> list[str]:
-        """Account for a step that ran; returns the requests it finished."""
-        finished = []
-        for c in chunks:
-            r = self.live[c.req_id]
-            decoding = r.done >= r.prompt
-            r.done = c.seq_len
-            if decoding:
-                r.decodes -= 1
-            if r.done >= r.prompt and (r.decodes <= 0 or r.done >= self.max_model_len - 4):
-                finished.append(r.req_id)
-                del self.live[r.req_id]
-        return finished
 
 
 def step_kind(out: StepOutput) -> str:
@@ -181,67 +91,6 @@ class SoakReport:
         lines += [m.render() for m in self.mismatches]
         lines.append(f"{len(self.mismatches)} mismatches")
         return "\n".join(lines)
-
-
-def written_slots(caches, chunks: list[RequestChunk], batch, kept_only: bool = True
-                  ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]:
-    """Per compared part, (cache tensor, slots, layer) of what the step wrote, by layer.
-    The replay layers' SWA counts kept rows only unless ``kept_only`` is false."""
-    cfg, window = caches.cfg, batch.window
-    slots, kept = [], []
-    for i, c in enumerate(chunks):
-        base = batch.view.cache_base[i]
-        slots.extend(range(base + c.context_len, base + c.seq_len))
-        kept.extend(range(base + c.seq_len - kept_len(c, window), base + c.seq_len))
-    dev = caches.swa[0].device
-    slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-    kept_t = torch.tensor(kept, dtype=torch.int64, device=dev) if kept_only else slots_t
-    # A block's base is even (CacheLayout), so a slot's parity is its position's: odd
-    # positions complete the ratio-2 entry slot // 2.
-    pairs = slots_t[slots_t % 2 == 1] // 2
-    parts: dict[str, list] = {"swa": [], "swa-replay": [], "global": [], "raw": []}
-    for layer, swa in enumerate(caches.swa):
-        parts["swa-replay" if layer > cfg.cut else "swa"].append((swa, kept_t if layer > cfg.cut else slots_t, layer))
-    for src, glob in sorted(caches.glob.items()):
-        parts["global"].append((glob, slots_t if cfg.compress_ratio(src) == 1 else pairs, src))
-    for src, raw in sorted(caches.raw.items()):
-        parts["raw"].append((raw, slots_t, src))
-    return parts
-
-
-def compare_layers(got_kv, want_kv, chunks: list[RequestChunk], got, want, err
-                   ) -> dict[str, list[tuple[int | None, float]]]:
-    """``err(got, want)`` per compared part of one step, layer by layer: the logits
-    (layer None), then each layer's part of the cache slots the step wrote
-    (:func:`written_slots`), ``got`` from the runner of ``got_kv`` and ``want`` from
-    that of ``want_kv``. Logits that are not finite are infinitely far."""
-    logits = err(got.logits.float(), want.logits.float())
-    errs = {"logits": [(None, logits if torch.isfinite(got.logits).all() else float("inf"))]}
-    mine, theirs = written_slots(got_kv, chunks, got.batch), written_slots(want_kv, chunks, want.batch)
-    for part in mine:
-        errs[part] = [(layer, err(t.index_select(0, s).float(), w.index_select(0, s).float()))
-                      for (t, s, layer), (w, _, _) in zip(mine[part], theirs[part])]
-    return errs
-
-
-def per_part(errs: dict[str, list[tuple[int | None, float]]]) -> dict[str, float]:
-    """:func:`compare_layers`' errors as one per part, its worst layer's (``err`` being a
-    worst row's, the same as over all the part's rows at once); 0 for a part no layer has."""
-    return {part: max((e for _, e in layers), default=0.0) for part, layers in errs.items()}
-
-
-def compare_step(got_kv, want_kv, chunks: list[RequestChunk], got, want, err) -> dict[str, float]:
-    """:func:`compare_layers` as one error per part (:func:`per_part`)."""
-    return per_part(compare_layers(got_kv, want_kv, chunks, got, want, err))
-
-
-def first_over(errs: list[tuple[int | None, float]], limit: float) -> tuple[int | None, float] | None:
-    """The lowest layer of a part beyond ``limit`` and the part's worst error, or None
-    where every layer is within it."""
-    over = [layer for layer, e in errs if not e <= limit]
-    if not over:
-        return None
-    return over[0], max(e for _, e in errs)
 
 
 class Soak:
