@@ -15,7 +15,7 @@ from replay_backend.reference.batch_spec import parse_batch_spec
 from replay_backend.kv_cache import CacheLayout
 from replay_backend.reference.attention_ops import COMP_FIELD, COMP_SLOTS, VIEW_FIELDS
 from replay_backend.reference.config import ModelConfig, preset
-from replay_backend.reference.runner import schedule_prefill
+from replay_backend.reference.prompts import schedule_prefill
 
 R = RequestChunk
 

@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 from replay_backend.batch import RequestChunk, kept_len
 from replay_backend.reference.compare import max_abs_err, max_abs_err_kv, replay_kv_slots
 from replay_backend.reference import attention_ops
-from replay_backend.reference.runner import StepRunner, schedule_prefill
+from replay_backend.reference.prompts import schedule_prefill
+from replay_backend.reference.runner import StepRunner
 
 from conftest import MAX_MODEL_LEN, MAX_NUM_SEQS
 

@@ -103,7 +103,7 @@ def point_flops(cfg: ModelConfig, isl: int, conc: int, max_num_batched_tokens: i
     """The FLOPs of a bench point: ``conc`` prompts of ``isl`` tokens prefilled in chunked
     steps of at most ``max_num_batched_tokens`` tokens, as the bench runs them."""
     from ..requests import RequestChunk
-    from ..reference.runner import schedule_prefill
+    from ..reference.prompts import schedule_prefill
 
     total = 0.0
     for step in schedule_prefill([isl] * conc, max_num_batched_tokens):

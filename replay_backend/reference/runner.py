@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -24,6 +23,8 @@ from ..dispatch.decide import StepInfo, StepResult, TrimRecord
 from ..forward_context import ForwardContext, set_forward_context
 from ..kv_cache import CacheLayout
 from .kv_caches import KVCaches
+from .batch_owner import check_runs_here
+from .prompts import PromptTokens, schedule_prefill
 from . import attention_ops
 from . import attention_triton
 from .attention_flashinfer import FlashInferAttention, check_supported
@@ -54,48 +55,6 @@ class StepOutput:
     def trim(self) -> TrimRecord | None:
         """The replay region's part of ``result``, None without a region."""
         return self.result.trim_record if self.result is not None else None
-
-
-class PromptTokens:
-    """Deterministic prompt tokens (int64, on the host), so two runners see the same
-    request: ``(seed * 2654435761 + p * 40503 + p * p % 977) % vocab`` at position p,
-    seed from the request id. The position terms are kept for every position of the
-    cache: computed per step they were eight host ops before a step's first kernel."""
-
-    def __init__(self, vocab: int, max_len: int) -> None:
-        p = torch.arange(max_len, dtype=torch.int64)
-        self.vocab = vocab
-        self.by_position = (p * 40503) % vocab + (p * p) % 977
-
-    def __call__(self, req_id, start: int, end: int) -> torch.Tensor:
-        seed = zlib.crc32(str(req_id).encode())
-        return (self.by_position[start:end] + (seed * 2654435761) % self.vocab).remainder_(self.vocab)
-
-
-def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
-    """Greedy chunked prefill: steps of ``(request index, query_len, seq_len)`` that use
-    at most ``budget`` tokens each, requests served in order."""
-    if budget <= 0:
-        raise ValueError(f"max_num_batched_tokens must be positive, got {budget}")
-    if any(n < 1 for n in lengths):
-        raise ValueError(f"prompt lengths must be >= 1, got {lengths}")
-    done = [0] * len(lengths)
-    steps = []
-    i = 0
-    while i < len(lengths):
-        room, step = budget, []
-        j = i
-        while j < len(lengths) and room > 0:
-            q = min(room, lengths[j] - done[j])
-            if q > 0:
-                done[j] += q
-                step.append((j, q, done[j]))
-                room -= q
-            j += 1
-        steps.append(step)
-        while i < len(lengths) and done[i] == lengths[i]:
-            i += 1
-    return steps
 
 
 class StepRunner:
@@ -163,6 +122,11 @@ class StepRunner:
         self._blocks.update(zip(new, free))
         return [self._blocks[r] for r in req_ids]
 
+    @property
+    def blocks_given(self) -> dict:
+        """The cache block this runner gave each request it holds (read-only use)."""
+        return self._blocks
+
     def free(self, req_id) -> None:
         self._blocks.pop(req_id, None)
         self._cached.pop(req_id, None)
@@ -203,36 +167,8 @@ class StepRunner:
         cache blocks are the ones this runner gave its requests, which hold their context.
         A batch that writes no block (a dummy one: every row to the pad slot) may come
         from anywhere with this runner's layout."""
-        if batch.layout != self.layout or batch.window != self.cfg.window:
-            raise ValueError(f"the batch was built for cache layout {batch.layout} and window {batch.window}, "
-                             f"this runner has {self.layout} and window {self.cfg.window}: build it with "
-                             "this runner's build_batch")
-        owner = batch.owner
-        if owner is not self and (owner is not None or not batch.pad_writes):  # (a dummy batch writes no block)
-            n, size = len(batch.requests), self.layout.max_model_len
-            named = ", ".join(f"request {i} (req_id={batch.requests[i].req_id!r}) in block "
-                              f"{batch.view.cache_base[i] // size}" for i in range(min(n, 3)))
-            named += f" and {n - 3} more" if n > 3 else ""
-            raise ValueError(
-                ("the batch was built without an owner (build_step_batch without owner=)" if owner is None else
-                 f"the batch was built by another runner ({type(owner).__name__} at {id(owner):#x})")
-                + f", not by this one ({type(self).__name__} at {id(self):#x}): its cache blocks ({named}) are "
-                "not the ones this runner gave, and running it would write over the KV of the requests this "
-                "runner holds there: build it with this runner's build_batch")
-        if not batch.pad_writes:  # each request in the block this runner gave it, its context cached
-            given, bases, size = self._blocks, batch.view.cache_base, self.layout.max_model_len
-            for i, r in enumerate(batch.requests):
-                held = given.get(r.req_id)
-                if held is None or held * size != bases[i]:
-                    block = bases[i] // size
-                    now = [q for q, b in given.items() if b == block]
-                    raise ValueError(
-                        f"request {i} (req_id={r.req_id!r}): the batch writes cache block {block}, but this runner "
-                        + ("holds no block for it (freed, or never given one)" if held is None else
-                           f"gave the request block {held}")
-                        + (f", and block {block} is request {now[0]!r}'s" if now else "")
-                        + ": a stale batch, or one not built for these blocks: build it with this runner's "
-                          "build_batch")
+        check_runs_here(self, batch)
+        if not batch.pad_writes:  # and each request's context is in its block
             self._check_context(batch.requests, built=True)
         fwd = forward if forward is not None else self.forward
         if fwd is not self.compiled:

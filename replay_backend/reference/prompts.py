@@ -1,0 +1,49 @@
+"""A runner's prompts: each request's deterministic tokens, and whole prompts cut into
+chunked-prefill steps within a token budget."""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+
+class PromptTokens:
+    """Deterministic prompt tokens (int64, on the host), so two runners see the same
+    request: ``(seed * 2654435761 + p * 40503 + p * p % 977) % vocab`` at position p,
+    seed from the request id. The position terms are kept for every position of the
+    cache: computed per step they were eight host ops before a step's first kernel."""
+
+    def __init__(self, vocab: int, max_len: int) -> None:
+        p = torch.arange(max_len, dtype=torch.int64)
+        self.vocab = vocab
+        self.by_position = (p * 40503) % vocab + (p * p) % 977
+
+    def __call__(self, req_id, start: int, end: int) -> torch.Tensor:
+        seed = zlib.crc32(str(req_id).encode())
+        return (self.by_position[start:end] + (seed * 2654435761) % self.vocab).remainder_(self.vocab)
+
+
+def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Greedy chunked prefill: steps of ``(request index, query_len, seq_len)`` that use
+    at most ``budget`` tokens each, requests served in order."""
+    if budget <= 0:
+        raise ValueError(f"max_num_batched_tokens must be positive, got {budget}")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"prompt lengths must be >= 1, got {lengths}")
+    done = [0] * len(lengths)
+    steps = []
+    i = 0
+    while i < len(lengths):
+        room, step = budget, []
+        j = i
+        while j < len(lengths) and room > 0:
+            q = min(room, lengths[j] - done[j])
+            if q > 0:
+                done[j] += q
+                step.append((j, q, done[j]))
+                room -= q
+            j += 1
+        steps.append(step)
+        while i < len(lengths) and done[i] == lengths[i]:
+            i += 1
+    return steps
