@@ -191,6 +191,7 @@ class ReplayBackend:
     def estimate_graph_memory(self, setup):
         """What :meth:`capture` will take from the GPU, measured without capturing (a
         ``GraphMemoryEstimate``), from the dummy steps of ``setup`` (a ``StepSetup``)."""
+        self.lifecycle.expect("estimate_graph_memory", Phase.WARMING)
         setup = self.use(setup)
         model = self._learned_model("estimate_graph_memory")
         metadata = self._metadata_buffer(setup)
@@ -255,6 +256,15 @@ class ReplayBackend:
             batch = dict(graph_rows=policy.rows, metadata=self.metadata, per_request=tokens)
         with torch.no_grad():
             run_dummy(model, self.setup, tokens, **batch)
+
+    def fail_step(self, error: Exception):
+        """Give up this step with ``error``, raised here: a data-parallel rank whose own
+        checks fail before it calls the compiled model calls this instead, so that the
+        other ranks raise ``RankFailed`` naming it rather than wait for it in the step's
+        collectives. Without data-parallel ranks it only raises ``error``."""
+        if not self.has_run:
+            raise error
+        self.model.fail_step(error)
 
     @property
     def last_step(self):

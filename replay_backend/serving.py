@@ -92,7 +92,8 @@ class ReplayCompiled(nn.Module):
             if why is None:
                 return entry(bound)
             if self.backend.lifecycle.serving:
-                raise ValueError(f"dsv41_replay: {why}: that needs a new trace, which is an error once serving")
+                self.backend.fail_step(ValueError(f"dsv41_replay: {why}: that needs a new trace, which is an error "
+                                                  "once serving"))
         return self._through_dynamo(args, kwargs)
 
     def _through_dynamo(self, args, kwargs):
@@ -149,6 +150,11 @@ class ReplayCompiled(nn.Module):
     def idle_step(self) -> None:
         """A data-parallel rank with no requests takes part in the step (:meth:`ReplayBackend.idle_step`)."""
         self.backend.idle_step()
+
+    def fail_step(self, error: Exception):
+        """Give up this step with ``error`` (:meth:`ReplayBackend.fail_step`): the other
+        data-parallel ranks raise naming this one instead of waiting for it."""
+        self.backend.fail_step(error)
 
     @property
     def last_step(self):

@@ -332,7 +332,7 @@ def test_the_memory_estimate_runs_the_largest_full_step_as_its_graph_holds_it(mo
         yield got
         plan = inner.last_plan
         peaks.append((plan.kind, plan.padded_tokens))
-        got[0] = 1000 * len(peaks)
+        got[0] = 10 ** 9 if len(peaks) == 1 else 3 * 10 ** 9  # the FULL step's the larger
 
     monkeypatch.setattr(CompiledReplayModel, "_pieces_at", spy)
     monkeypatch.setattr(memory, "_peak", fake_peak)
@@ -343,8 +343,15 @@ def test_the_memory_estimate_runs_the_largest_full_step_as_its_graph_holds_it(mo
     # (size None) on the graph layout's views at its size
     assert peaks == [(EAGER, max(TOY_OPTS["cudagraph_capture_sizes"])), (FULL, sizes[-1])], peaks
     assert ran == [(None, sizes[-1])], ran
-    assert est.main_peak_bytes == 1000 and est.full_peak_bytes == 2000 and est.full_graphs == len(sizes)
-    assert est.total_bytes >= est.full_peak_bytes + est.full_output_bytes
+    assert est.main_peak_bytes == 10 ** 9 and est.full_peak_bytes == 3 * 10 ** 9 and est.full_graphs == len(sizes)
+    # the pool covers the FULL step's peak, its outputs counted once (with every FULL
+    # graph's), then a cost per graph
+    largest_out = inner.output_row_bytes * sizes[-1]
+    graphs = est.graphs * est.per_graph_bytes
+    assert est.total_bytes > 3 * 10 ** 9 - largest_out + est.full_output_bytes + graphs, est
+    assert est.total_bytes < 3 * 10 ** 9 + est.full_output_bytes + 2 * graphs + 10 ** 8, est
+    assert inner.last_plan is None or inner.last_plan.kind is not FULL  # no trace of the estimate's steps
+    assert not inner.dispatch["full"]
     assert not inner.full.graphs and compiled.backend.lifecycle.phase.value == "warming"
     monkeypatch.setattr(inner.res, "use_cuda", False)
     compiled.capture(server.setup)
@@ -354,6 +361,22 @@ def test_the_memory_estimate_runs_the_largest_full_step_as_its_graph_holds_it(mo
         result, err = toy_step(server, oracle, step)
         assert err <= 1e-5, (step, result, err)
     assert {toy_step(server, oracle, [R("b", 1, 6)])[0].kind} == {FULL}
+
+
+def test_the_memory_estimate_after_capture_is_refused_and_changes_nothing():
+    """Once serving (uncaptured FULL sizes dropped from the policy), the estimate is
+    refused by its phase before it touches the policy; fail_step without data-parallel
+    ranks only raises its error."""
+    server, _, oracle = toy_served("always", cudagraph_mode="full_and_piecewise")
+    compiled = server.compiled
+    policy = compiled.backend.model.full_policy
+    with pytest.raises(RuntimeError, match="estimate_graph_memory"):
+        compiled.estimate_graph_memory(server.setup)
+    assert compiled.backend.model.full_policy is policy
+    with pytest.raises(KeyError, match="mine"):
+        compiled.fail_step(KeyError("mine"))
+    result, err = toy_step(server, oracle, [R("a", 1, 1)])
+    assert result.kind is FULL and err <= 1e-5
 
 
 @pytest.mark.parametrize("attention", ["never", "undeclared"])

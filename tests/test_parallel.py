@@ -118,8 +118,9 @@ def test_a_rank_that_raises_is_named_and_the_others_do_not_hang():
 
 def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
     """DEP2 serving. At the second step rank 1 fails before the agreement (a stale
-    batch, or under strict a batch laid out for FULL graphs outside the metadata
-    buffer) while rank 0 runs a decode; at the third both serve their step again.
+    batch, under strict a batch laid out for FULL graphs outside the metadata buffer,
+    or in the runner's own check, a batch of a request freed since) while rank 0 runs
+    a decode; at the third both serve a step again.
     Per step: each rank's error (type, message, seconds taken) or its logits' error
     against the single-process model."""
     import time
@@ -136,8 +137,8 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
     rc.start_serving()
     if rank == 0:
         steps = [[R("a", 20, 20)], [R("a", 1, 21)], [R("a", 1, 21)]]
-    else:
-        steps = [[R("b", 5, 5)], [R("b", 1, 6)], [R("b", 1, 6)]]
+    else:  # a freed request's cache is gone: its rank serves another one next
+        steps = [[R("b", 5, 5)], [R("b", 1, 6)], [R("c", 6, 6)] if how == "freed" else [R("b", 1, 6)]]
     out = []
     for k, reqs in enumerate(steps):
         t0 = time.monotonic()
@@ -149,6 +150,9 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
             if how == "stale":
                 batch = rc.build_batch(reqs)
                 rc.build_batch(reqs)  # overwrites the first's metadata
+            elif how == "freed":  # the runner's own check, before it calls the compiled model
+                batch = rc.build_batch(reqs)
+                rc.free("b")
             else:
                 batch = build_step_batch(reqs, [rc.tokens("b", 5, 6)], [rc.block_of("b")], rc.layout, CFG.window,
                                          "cpu", graph_rows=rc.backend.model.full_policy.rows,
@@ -160,13 +164,14 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("how,error", [("stale", "stale StepBatch"), ("strict", "metadata_in_place")])
+@pytest.mark.parametrize("how,error", [("stale", "stale StepBatch"), ("strict", "metadata_in_place"),
+                                       ("freed", "holds no block for it")])
 def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_at_once(how, error):
     """A data-parallel rank whose step fails before the agreement still joins it, as
     failed: the other rank raises at once naming it, instead of waiting in the step's
     collectives until the group's timeout; the next step runs on both, right."""
     rank0, rank1 = run_ranks(_one_rank_fails_its_step, 2, how, timeout=300, collective_timeout=60)
-    assert rank1[1][0] in ("RuntimeError", "StrictFallbackError") and error in rank1[1][1], rank1[1]
+    assert rank1[1][0] in ("RuntimeError", "StrictFallbackError", "ValueError") and error in rank1[1][1], rank1[1]
     name, message, seconds = rank0[1]
     assert name == "RankFailed" and "data-parallel rank 1 failed this step" in message, rank0[1]
     assert seconds < 30, rank0[1]

@@ -103,7 +103,10 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
     # The largest step's owned outputs are inside its peak; the other sizes add theirs
     # (without main graphs nothing stays owned, and the peak is all there is).
     after_main = main_peak + kept - kept_at_max if main_sizes else main_peak
-    pools = max(after_main, kept + replay_peak, full_peak)
+    # The largest FULL step's outputs are inside its peak and stay with its graph:
+    # they are counted with the other FULL graphs' outputs, below.
+    full_work = max(0, full_peak - out_row_bytes * full_sizes[-1]) if full_peak else 0
+    pools = max(after_main, kept + replay_peak, full_work)
     graphs = len(main_sizes) * len(model.runners("main"))
     if rep is not None:
         graphs += len(rep.level.sizes) * len(model.runners("replay"))
@@ -120,10 +123,13 @@ def estimate_graph_memory(model, run_step_without_graphs: Callable[[int], object
 
 @contextlib.contextmanager
 def _measuring(model) -> Iterator[None]:
-    """Steps run without graphs, as the estimate's (a FULL step runs its graph's work)."""
+    """Steps run without graphs, as the estimate's (a FULL step runs its graph's work),
+    leaving no trace in what inspection reports of the model's steps."""
     life = model.res.lifecycle
+    kept = model.last_plan, life.last_plan, {k: c.copy() for k, c in model.dispatch.items()}
     life.advance(Phase.MEASURING)
     try:
         yield
     finally:
         life.advance(Phase.WARMING)
+        model.last_plan, life.last_plan, model.dispatch = kept

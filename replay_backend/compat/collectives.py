@@ -3,8 +3,8 @@ and Inductor lowers, so they run inside captured pieces.
 
 ``torch.distributed._functional_collectives`` is not public API, and its names move:
 torch 2.13 renamed the single-tensor gather and reduce-scatter ``*_single``, warning on
-every eager call of the old names. Each name is looked up once, the new before the old,
-and a torch that has neither is told at import, not in a step.
+every eager call of the old names. Each name is looked up once, at import, the new
+before the old; a torch that has neither is told so by name.
 """
 from __future__ import annotations
 
@@ -16,30 +16,38 @@ def _pick(module, *names: str):
         fn = getattr(module, name, None)
         if fn is not None:
             return fn
-    raise ImportError(f"dsv41_replay needs torch's functional collective {names[0]} (or {', '.join(names[1:])}): "
-                      f"torch {torch.__version__} has none of them")
+    raise ImportError(f"dsv41_replay needs torch's functional collective {' or '.join(names)}: torch "
+                      f"{torch.__version__} has none")
 
 
-def _load():
+def _load() -> tuple:
+    """The three collectives, looked up at import (names fixed from then on, which
+    Dynamo reads as constants); a torch without ``torch.distributed`` gets functions
+    that say so when called, so a model that runs none imports as before."""
+    if not torch.distributed.is_available():
+        def missing(*args, **kwargs):
+            raise RuntimeError(f"dsv41_replay: torch {torch.__version__} was built without torch.distributed, "
+                               "which tensor and data parallelism need")
+        return missing, missing, missing
     import torch.distributed._functional_collectives as funcol
 
     return (_pick(funcol, "all_reduce"), _pick(funcol, "all_gather_single", "all_gather_tensor"),
             _pick(funcol, "reduce_scatter_single", "reduce_scatter_tensor"))
 
 
-_all_reduce, _all_gather, _reduce_scatter = _load()
+_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER = _load()
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """The sum of ``x`` over ``group``."""
-    return _all_reduce(x, "sum", group)
+    return _ALL_REDUCE(x, "sum", group)
 
 
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's ``x`` stacked along dimension 0, in rank order."""
-    return _all_gather(x, 0, group)
+    return _ALL_GATHER(x, 0, group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` summed over ``group`` and split along dimension 0: this rank's share."""
-    return _reduce_scatter(x, "sum", 0, group)
+    return _REDUCE_SCATTER(x, "sum", 0, group)

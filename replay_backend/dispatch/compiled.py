@@ -121,7 +121,7 @@ class CompiledReplayModel:
             try:
                 ctx.batch.check_current()  # a batch whose metadata a later build overwrote
             except RuntimeError as e:
-                self._fail(e)
+                self.fail_step(e)
             ctx.compiled_step = True
             try:
                 out, plan = self._step(ctx, args)
@@ -160,7 +160,7 @@ class CompiledReplayModel:
                                   "read (built outside the backend's metadata buffer, or for another number of "
                                   "rows) runs in pieces: build it with the compiled model's build_batch")
             except StrictFallbackError as e:
-                self._fail(e)
+                self.fail_step(e)
             full = False
         full = full and policy.takes(batch.requests)
         agreement = None
@@ -178,16 +178,21 @@ class CompiledReplayModel:
 
     @property
     def _agrees(self) -> bool:
-        """Whether this step is agreed with data-parallel ranks (not while the main
-        graphs are captured: every rank captures the same size then)."""
-        return self.dp_group is not None and not self.res.lifecycle.capturing_main
+        """Whether this model's steps are agreed with data-parallel ranks (a step with
+        token inputs, not while the main graphs are captured: every rank captures the
+        same size then)."""
+        return self.dp_group is not None and bool(self.token_inputs) and not self.res.lifecycle.capturing_main
 
-    def _fail(self, error: Exception):
+    def fail_step(self, error: Exception):
         """Raise ``error``, this rank's own before the step's agreement: with
         data-parallel ranks after telling them in the agreement, so that each raises
         too rather than wait in a collective of the step this rank will not join."""
         if self._agrees:
-            agree(self.dp_group, False, 0, False, 0, failed=True)
+            try:
+                agree(self.dp_group, False, 0, False, 0, failed=True)
+            except Exception as e:  # noqa: BLE001 - a peer gone too: this rank's error is the one to see
+                log.warning("dsv41_replay: telling the data-parallel ranks that this rank failed its step "
+                            "failed too: %s: %s", type(e).__name__, e)
         raise error
 
     def _step(self, ctx, args) -> tuple:

@@ -167,10 +167,15 @@ class StepRunner:
         cache blocks are the ones this runner gave its requests, which hold their context.
         A batch that writes no block (a dummy one: every row to the pad slot) may come
         from anywhere with this runner's layout."""
-        check_runs_here(self, batch)
-        if not batch.pad_writes:  # and each request's context is in its block
-            self._check_context(batch.requests, built=True)
         fwd = forward if forward is not None else self.forward
+        try:
+            check_runs_here(self, batch)
+            if not batch.pad_writes:  # and each request's context is in its block
+                self._check_context(batch.requests, built=True)
+        except ValueError as e:
+            if fwd is self.compiled:  # data-parallel ranks raise naming this one, not wait for it
+                self.compiled.fail_step(e)
+            raise
         if fwd is not self.compiled:
             batch.check_current()  # the compiled model checks it itself
         in_region = fwd is self.compiled and self.backend.replays_in_region
