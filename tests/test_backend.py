@@ -186,8 +186,10 @@ def test_outputs_alive_across_the_trim_op_stay_owned(shared):
     assert not any(r.keep_outputs for r in m.runners("replay"))
 
 
-def test_graph_memory_estimate_needs_cuda(shared):
-    with pytest.raises(RuntimeError, match="needs CUDA graphs"):
+def test_graph_memory_estimate_is_for_before_capture(shared):
+    """Refused once serving, by its phase, before it touches anything (that it needs
+    CUDA, before capture: test_full_graphs.py)."""
+    with pytest.raises(RuntimeError, match=r"estimate_graph_memory\(\) while serving"):
         shared.rc.estimate_graph_memory()
 
 
