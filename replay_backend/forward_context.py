@@ -45,9 +45,11 @@ class ForwardContext:
     # ``prepare_view(view, graph_size)``: the model's host-side planning for a view that
     # attention is about to read (e.g. FlashInfer's ``plan()``), outside any graph. The
     # runner plans the whole batch before the model; :meth:`activate` calls this for the
-    # view the replay region runs on, with the replay graph's size when the region runs
-    # as a graph (None otherwise), before the region runs or replays. Those calls are
-    # the replay layers' only ones, so the runner's own may leave out what only they read.
+    # view the replay region runs on, with the size of the graph that reads it (the
+    # replay graph's, or in a FULL step the step's graph's; None without one), before
+    # the region runs or replays. Those calls are the replay layers' only ones, so the
+    # runner's own may leave out what only they read. A FULL step calls it for both
+    # of its views at its size before its graph replays: inside, no host code runs.
     prepare_view: Callable[["AttnView", "int | None"], None] | None = None
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from replay_backend.bench.timing import host_probe  # noqa: E402
 from replay_backend.capture.graphs import PieceRunner  # noqa: E402
 from replay_backend.dispatch.trim_op import ReplayRuntime  # noqa: E402
 from replay_backend.reference import (attention_flashinfer, attention_ops, attention_triton,  # noqa: E402
-                                      cache_triton, flashinfer_compat, flashinfer_staging)
+                                      cache_triton, flashinfer_compat, flashinfer_run, flashinfer_staging)
 from replay_backend.reference.runner import StepRunner  # noqa: E402
 
 # (owner, attribute, label): the functions whose wall time a step spends inside, found
@@ -53,10 +53,10 @@ COMPONENTS = (
     (attention_ops, "_run_attention", "attention op"),
     (cache_triton, "write", "cache write"),
     (attention_triton, "attend", "Triton attend"),
-    (attention_flashinfer, "attend", "FlashInfer attend"),
-    (attention_flashinfer, "_run", "FlashInfer part"),
+    (flashinfer_run, "attend", "FlashInfer attend"),
+    (flashinfer_run, "_run", "FlashInfer part"),
     (flashinfer_compat.DirectCalls, "__call__", "FlashInfer call"),
-    (attention_flashinfer, "merge", "state merge"),
+    (flashinfer_run, "merge", "state merge"),
     (attention_flashinfer.FlashInferAttention, "_prepare", "FlashInfer planning"),
     (flashinfer_staging.Wrapper, "plan", "FlashInfer plan()"),
 )

@@ -18,6 +18,7 @@ from replay_backend import RequestChunk, StepRunner, build_model
 from replay_backend.backend import ReplayBackend
 from replay_backend.reference import attention_flashinfer as fi
 from replay_backend.reference import flashinfer_batches as fb
+from replay_backend.reference import flashinfer_run as fr
 from replay_backend.reference import flashinfer_semantics
 from replay_backend.reference.compare import max_abs_err, max_abs_err_kv
 
@@ -240,9 +241,9 @@ def test_attention_on_a_view_planned_without_its_part_is_an_error(models):
             att.prepare(batch.view, None)
             att.prepare(earlier.view, None)
         att.prepare_main(batch.view)
-        fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(heads))
+        fr.attend(q, torch.empty_like(q), cache, None, 1, batch.view, False, torch.zeros(heads))
         with pytest.raises(RuntimeError, match="planned for the main layers only"):
-            fi.attend(q, torch.empty_like(q), cache, None, 1, batch.view, True, torch.zeros(heads))
+            fr.attend(q, torch.empty_like(q), cache, None, 1, batch.view, True, torch.zeros(heads))
 
 
 def test_graph_plans_may_list_more_pages_than_the_cache_has_slots(models):
@@ -269,8 +270,8 @@ def _run_graph_plans(att, view, size: int, cache: torch.Tensor) -> None:
     """Plan ``view`` for a replay graph of ``size`` rows and run each part's plan."""
     att.prepare(view, size)
     q = torch.randn(size, att.cfg.num_heads, att.cfg.head_dim)
-    for planned in view.derived[fi.PLAN].values():
-        fi._run(planned, q, cache, torch.empty_like(q), torch.empty(q.shape[:2]))
+    for planned in view.derived[fr.PLAN].values():
+        fr._run(planned, q, cache, torch.empty_like(q), torch.empty(q.shape[:2]))
 
 
 def test_graph_plans_that_do_not_split_read_a_cleared_work_list(models):
@@ -282,7 +283,7 @@ def test_graph_plans_that_do_not_split_read_a_cleared_work_list(models):
     _, fim = models
     runner = _runner(fim, max_num_batched_tokens=1024)
     att, size = runner.attention, 1024
-    assert not att.graphs_split and not att._graph_splits(size)
+    assert not att.graphs_split and not att._graph_splits(size, att.graph_batch(size))
     cache = torch.randn(att.num_slots, att.cfg.head_dim)
     for reqs in ([RequestChunk("a", 40, 40)], [RequestChunk("b", 300, 300), RequestChunk("c", 9, 9)]):
         batch = runner.build_batch(reqs)
@@ -328,7 +329,8 @@ def test_without_plan_memory_to_clear_every_graph_plan_splits(models):
     usual = fi.FlashInferAttention(*args, factory=flashinfer_semantics.factory)
     with counters.expect(fallbacks={"flashinfer_graph_split": 1}):
         att = fi.FlashInferAttention(*args, factory=NoPlanMemoryWrapper)
-    assert att.graphs_split and att._graph_splits(1024) and not usual._graph_splits(1024)
+    assert att.graphs_split and att._graph_splits(1024, att.graph_batch(1024))
+    assert not usual._graph_splits(1024, usual.graph_batch(1024))
     assert att.turns == 1 and usual.turns == 2  # without staging buffers to hand out, a plan waits
     assert att.float_bytes > usual.float_bytes
     runner = _runner(fim, max_num_batched_tokens=1024)
@@ -416,7 +418,7 @@ def _one_request_planned(fim, factory, strict: bool = False):
 
     def attend() -> None:
         q = torch.randn(40, heads, d)
-        fi.attend(q, torch.empty_like(q), torch.randn(att.num_slots, d), None, 1, batch.view, False,
+        fr.attend(q, torch.empty_like(q), torch.randn(att.num_slots, d), None, 1, batch.view, False,
                   torch.zeros(heads))
 
     return att, batch, attend
@@ -433,7 +435,7 @@ def test_a_learned_call_with_other_tensors_goes_through_run(models):
     q, cache = torch.randn(40, heads, d), torch.randn(att.num_slots, d)
     wrapper = att._wrappers[("main", ("swa", False))]
     assert wrapper.inner.counts[-1] == [2, 3]
-    planned = batch.view.derived[fi.PLAN][("swa", False)]
+    planned = batch.view.derived[fr.PLAN][("swa", False)]
     with pytest.raises(ValueError, match="q has 39 rows, the plan 40"):
         wrapper.run(q[:39], (cache.view(-1, 1, 1, d),) * 2, torch.empty_like(q[:39]), torch.empty(39, heads))
     assert wrapper.inner.counts[-1] == [3, 4] and planned.wrapper is wrapper
@@ -571,3 +573,31 @@ def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkey
     call = torch.load(dumps[0])
     assert call["out"][30].isnan().all() and call["want"][30].abs().max() > 0
     assert call["plan"]["split"] is False and call["plan"]["window_left"] == 15
+
+
+def test_full_graphs_plan_each_view_into_the_graph_wrappers_before_they_replay(models):
+    """full_and_piecewise with FlashInfer: a step below the trim threshold runs as one
+    (emulated) FULL graph, whose views the step plans into wrappers of the graph's size
+    before it replays: the whole batch for the main layers (the ratio-2 global part's
+    rows permuted through fixed buffers), its replay twin for the replay layers. Each
+    replay reads the new step's plans, never the captured step's; trimming steps still
+    run in pieces. All against the reference attention."""
+    ref, fim = models
+    backend = ReplayBackend(compiler="eager", max_num_seqs=MAX_NUM_SEQS, max_cudagraph_capture_size=64,
+                            decoder_replay_trim_threshold=48, strict=True, cudagraph_mode="full_and_piecewise")
+    runner, oracle = _runner(fim, backend=backend), _runner(ref)
+    summary = runner.capture()
+    assert summary["full"]["graphs"] > 0, summary
+    steps = [[RequestChunk("a", 1, 30), RequestChunk("b", 1, 2)], [RequestChunk("a", 3, 40)],
+             [RequestChunk("a", 20, 61, kv_start=50), RequestChunk("b", 1, 9), RequestChunk("c", 7, 25)],
+             [RequestChunk("a", 1, 17)], COMPOSITIONS[0], [RequestChunk("a", 2, 33), RequestChunk("b", 1, 5)]]
+    kinds = []
+    for i, reqs in enumerate(steps):
+        kinds.append(_agree(runner, oracle, reqs, i).step.kind)
+    assert kinds.count("full") == 5 and "piecewise" in kinds, kinds
+    wrappers = runner.attention._wrappers
+    graph_parts = {part for (slot, part) in wrappers if isinstance(slot, int)}
+    assert {("swa", False), ("global", 2), ("swa", True), ("global", 1)} <= graph_parts, graph_parts
+    for (slot, _), w in wrappers.items():
+        if isinstance(slot, int):
+            assert set(w.inner.plan_rows) == {slot}, (slot, w.inner.plan_rows)

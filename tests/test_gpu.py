@@ -503,6 +503,25 @@ def test_flashinfer_serving_soak_against_pytorch_attention():
         report.kinds
 
 
+@needs_flashinfer
+def test_flashinfer_full_graphs_soak_against_pytorch_attention():
+    """The soak above under full_and_piecewise: steps below the trim threshold replay
+    one FULL graph with FlashInfer's CUDA-graph wrappers inside, planned before each
+    replay, every step against PyTorch's attention; no plan is made inside a capture
+    (FlashInferAttention raises there)."""
+    from replay_backend.reference.soak import soak
+
+    fim = build_model(preset("tiny").replace(attention_impl="flashinfer"), "cuda", torch.bfloat16)
+    ref = build_model(preset("tiny").replace(attention_impl="reference"), "cuda", torch.bfloat16)
+    ref.load_state_dict(fim.state_dict())
+    report = soak(fim, 120, seed=12, max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048,
+                  options={"compiler": "eager", "cudagraph_mode": "full_and_piecewise"}, oracle_model=ref)
+    print(report.render())
+    assert report.mismatches == [] and not report.counters_moved.get("fallbacks"), report.render()
+    assert any(k.startswith("full/") for k in report.kinds), report.kinds
+    assert "piecewise/trimmed/replay-graph/io-graphs" in report.kinds, report.kinds
+
+
 @pytest.mark.xfail(strict=True, reason="the tiny preset in bf16 under Inductor departs from eager in the "
                                         "main layers' caches (docs/testing.md, known failure)")
 def test_tiny_preset_in_bf16_under_inductor_against_pytorch_attention():

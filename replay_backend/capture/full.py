@@ -54,8 +54,11 @@ class FullGraph:
             self.graph.replay()  # capturing records the step without running it
         else:
             self.graph = None
-            # As the context is at capture: the step goes on to point it elsewhere.
+            # As the context is at capture: the step goes on to point it elsewhere. A
+            # replay runs no host code, so none of the model's host planning either:
+            # the step plans before the graph replays (compiled.py).
             self.run, self.ctx = run, copy.copy(ctx)
+            self.ctx.prepare_view = None
             with collection_paused():
                 self.outputs = run()
 

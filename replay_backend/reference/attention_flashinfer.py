@@ -15,27 +15,26 @@ outside graphs: :meth:`FlashInferAttention.prepare` is the forward context's
 before the region runs or its graph replays; the runner plans the whole batch before
 the model runs, for the main layers only where the replay layers run in a region. A
 replay graph is captured with wrappers of its own size in FlashInfer's CUDA-graph mode
-(fixed buffers, a fixed request count), which each later plan refills.
+(fixed buffers, a fixed request count), which each later plan refills. So is a FULL
+graph: before it replays, its step plans the whole batch for the main layers and the
+replay twin for the replay layers into wrappers of the graph's size, and a ratio-r
+global part's row permutations into fixed buffers; inside the graph, attention finds
+those plans by its view's graph size (``_plans_of``), with no host code to point it.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 
 from ..fallbacks import process_fallback
 from . import flashinfer_compat
-from .attention_merge import merge
 from .flashinfer_batches import PartSets, global_part, layout_of, padded, swa_part
+from .flashinfer_run import PLAN, PLANS, Planned
 from .flashinfer_staging import TURNS, SlotStaging, Wrapper
 
 
-# Where a view's plans wait for the attention ops (``AttnView.derived``): the plans the
-# layers about to run read, and every plan made for the view, by slot.
-PLAN = "flashinfer_plan"
-PLANS = "flashinfer_plans"
 
 
 def available() -> bool:
@@ -62,18 +61,6 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"attention_impl='flashinfer' needs a bfloat16 or float16 model, got {dtype} "
                          "(FlashInfer's prefill kernels have no fp32 variant)")
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One part planned: the wrapper to run, the rows it covers (the view's, or a
-    graph's size), and on the device their permutation and its inverse (None: view
-    order; flashinfer_batches.PartLayout)."""
-
-    wrapper: Wrapper
-    rows: int
-    perm: torch.Tensor | None
-    unperm: torch.Tensor | None
 
 
 # FlashInfer splits a plan's keys across programs to fill the GPU whatever the keys per
@@ -146,15 +133,19 @@ class FlashInferAttention:
             self.workspace = torch.zeros(self.float_bytes, dtype=torch.uint8, device=device)
         self._wrappers: dict[tuple, Wrapper] = {}
         self._staging: dict[object, SlotStaging] = {}
+        self._pages: dict[tuple, torch.Tensor] = {}  # per part: its graph wrappers' page table
+        self._perms: dict[tuple, torch.Tensor] = {}  # per (graph size, part): its fixed row permutations
 
     # ---- planning: on the host, outside graphs ----------------------------------------
     @torch.inference_mode(False)
     def prepare(self, view, size: int | None) -> None:
         """Plan ``view`` for every layer that may read it (the forward context's hook):
-        ``size`` is the replay graph's size when the replay layers run in one, else None.
-        Parts whose wrappers still hold this view's plan are not planned again."""
+        ``size`` is the size of the graph that reads it (a replay graph, whose replay
+        layers read a replay view; a FULL step's graph, whose main layers read the whole
+        batch and replay layers its replay twin), else None. Parts whose wrappers still
+        hold this view's plan are not planned again."""
         if size is not None:
-            self._prepare(view, size, self.parts.replay_layers)
+            self._prepare(view, size, self.parts.replay_layers if view.replay else self.parts.main_layers)
         elif view.trimmed:  # the replay rows: the replay layers read them
             self._prepare(view, "replay", self.parts.replay_layers)
         elif view.replay:  # the whole batch as the replay layers read it (plans shared with it)
@@ -179,31 +170,40 @@ class FlashInferAttention:
         stale = [part for part in parts if (p := plans.get(part)) is None or p.wrapper.holds is not p]
         if stale:
             size = slot if isinstance(slot, int) else None
-            batch = self.graph_batch(size) if size is not None else None
             layouts = {}
             for part in stale:
                 kind, arg = part
                 reqs, perm = (swa_part(view, self.cfg.window, arg), None) if kind == "swa" else global_part(view, arg)
                 if size is not None:
-                    reqs = padded(reqs, view.num_tokens, size, batch)
+                    reqs = padded(reqs, view.num_tokens, size, self.graph_batch(size, _ratio(part)))
+                    if perm is not None:  # the pad rows' request comes last, in view order
+                        perm = torch.cat([perm, torch.arange(view.num_tokens, size, dtype=perm.dtype)])
                 layouts[part] = layout_of(reqs, perm)
             plans.update(self._plan(slot, layouts, size))
         view.derived[PLAN] = {part: plans[part] for part in parts}
 
-    def graph_batch(self, size: int) -> int:
-        """The request count of every plan of the replay graph of ``size`` rows: two
-        sub-requests per request (the rows without keys, the rest), of a served view or of
-        capture's dummy view, and the pad rows' request."""
-        return 2 * max(self.max_num_seqs, -(-size // self.max_request_rows)) + 1
+    def graph_batch(self, size: int, ratio: int = 1) -> int:
+        """The request count of every plan of a graph of ``size`` rows for a part of
+        ``ratio`` (1: SWA): two sub-requests (the rows without keys, the rest) per
+        request, of a served view or of capture's dummy view, or at ratio r per residue
+        class of its rows, which a request of n rows has min(r, n) of; and the pad rows'
+        request."""
+        reqs = max(self.max_num_seqs, -(-size // self.max_request_rows))
+        return 2 * min(ratio * reqs, max(reqs, size)) + 1
 
-    def _graph_splits(self, size: int) -> bool:
+    def _graph_splits(self, size: int, batch: int) -> bool:
         # FlashInfer's CUDA-graph plans always split, into at least ``programs`` items,
         # or its worst-case tile count for the graph's rows where that is more: split only
         # below it, where the rows alone leave the GPU short of work.
         return (self.graphs_split
-                or -(-size * self.cfg.num_heads // 16) + self.graph_batch(size) - 1 < self.programs)
+                or -(-size * self.cfg.num_heads // 16) + batch - 1 < self.programs)
 
     def _plan(self, slot, layouts: dict, size: int | None) -> dict:
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            # Its copies would be captured and replayed from host memory later plans reuse.
+            raise RuntimeError(f"attention_impl='flashinfer': a plan of slot {slot!r} inside a CUDA graph capture: "
+                               "every view a graph reads must be planned before the graph runs (prepare_view with "
+                               "the graph's size)")
         staging = self._staging.get(slot)
         if staging is None:
             staging = self._staging[slot] = SlotStaging(self.turns, self.cuda)
@@ -251,10 +251,36 @@ class FlashInferAttention:
             perm = unperm = None
             if lay.perm is not None:
                 n = lay.perm.numel()
-                perm, unperm = dev[perm_at:perm_at + n], dev[perm_at + n:perm_at + 2 * n]
+                both = dev[perm_at:perm_at + 2 * n]
                 perm_at += 2 * n
+                if size is not None:  # a graph reads them where it read them at capture
+                    both = self._fixed_perms(slot, part, size).copy_(both)
+                perm, unperm = both[:n], both[n:]
             planned[part] = wrapper.holds = Planned(wrapper, lay.rows, perm, unperm)
         return planned
+
+    def _fixed_perms(self, slot, part, size: int) -> torch.Tensor:
+        """The row permutation and its inverse of ``part`` in the graph of ``size`` rows
+        (``slot``), back to back at one address for every plan of it."""
+        buf = self._perms.get((slot, part))
+        if buf is None:
+            buf = self._perms[(slot, part)] = torch.zeros(2 * size, dtype=torch.int32, device=self.device)
+        return buf
+
+    def _page_table(self, part, pages: int) -> torch.Tensor:
+        """A page-index buffer for a graph wrapper of ``part``: one per part, shared by
+        its graphs of every size, which never run at once and each of which is planned
+        (its page table copied in, in stream order) before it replays. A served view's
+        requests own disjoint slots, so its page table is at most the cache's slot
+        count; capture's dummy requests all read the same slots, and a graph larger
+        than the cache lists more. Graphs are planned largest first, so the first
+        buffer of a part is its largest."""
+        need = max(self.num_slots, pages)
+        buf = self._pages.get(part)
+        if buf is None or buf.numel() < need:
+            buf = torch.zeros(need, dtype=torch.int32, device=self.device)
+            self._pages.setdefault(part, buf)
+        return buf
 
     def _wrapper(self, slot, part, size: int | None, batch: int, pages: int) -> Wrapper:
         """The wrapper of ``(slot, part)``, made on its first plan, of ``batch`` requests
@@ -264,14 +290,11 @@ class FlashInferAttention:
             buffers = None
             if size is not None:  # CUDA-graph mode: fixed addresses, refilled by each plan
                 i32 = dict(dtype=torch.int32, device=self.device)
-                # A served view's requests own disjoint slots, so its page table is at most
-                # the cache's slot count; the first plan is capture's, whose dummy requests
-                # all read the same slots, and a graph larger than the cache lists more.
                 buffers = {"qo_indptr_buf": torch.zeros(batch + 1, **i32),
                            "paged_kv_indptr_buf": torch.zeros(batch + 1, **i32),
-                           "paged_kv_indices_buf": torch.zeros(max(self.num_slots, pages), **i32),
+                           "paged_kv_indices_buf": self._page_table(part, pages),
                            "paged_kv_last_page_len_buf": torch.zeros(batch, **i32)}
-            split = size is None or self._graph_splits(size)
+            split = size is None or self._graph_splits(size, batch)
             w = self._wrappers[(slot, part)] = Wrapper(self.factory(buffers), split, self.turns, self.cuda,
                                                        self._run_fallback)
         return w
@@ -296,37 +319,6 @@ _SPLIT_WHY = ("this FlashInfer does not keep a plan's work list where flashinfer
               "slot")
 
 
-# ---- running (inside the attention op, and inside graphs) ----------------------------
-def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | None, ratio: int,
-           view, floored: bool, sink: torch.Tensor) -> None:
-    """Write attention for the planned rows of ``q`` into ``out`` (both [rows, heads,
-    D]): the SWA state and the global state, merged with the sink."""
-    plans = view.derived.get(PLAN)
-    if plans is None:
-        raise RuntimeError("attention_impl='flashinfer' but this view was not planned: the runner's "
-                           "ForwardContext must carry prepare_view=FlashInferAttention.prepare")
-    first = plans.get(("swa", floored))
-    if first is None:  # only the replay layers read floored keys
-        raise RuntimeError("attention_impl='flashinfer': the replay layers read the whole batch, which was "
-                           "planned for the main layers only (prepare_main); a runner whose replay layers "
-                           "run outside a replay region plans it with prepare(view, None)")
-    qn = q[:first.rows]
-    # Both states in one allocation each: the host's time per layer is the step's
-    # critical path where the rows are few.
-    states = 1 if glob is None else 2
-    o = torch.empty((states, *qn.shape), dtype=q.dtype, device=q.device)
-    lse = torch.empty((states, *qn.shape[:2]), dtype=torch.float32, device=q.device)
-    _run(first, qn, swa, o[0], lse[0])
-    if glob is None:
-        merge(out[:first.rows], o[0], lse[0], None, None, sink)
-        return
-    second = plans[("global", ratio)]
-    _run(second, qn, glob, o[1], lse[1])
-    merge(out[:first.rows], o[0], lse[0], o[1], lse[1], sink, second.unperm)
-
-
-def _run(planned: Planned, q: torch.Tensor, cache: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """One part's state into ``o`` [rows, heads, D] and ``lse`` [rows, heads] (base-2
-    log-sum-exp), its rows in the part's order (``planned.perm``)."""
-    kv = cache.view(cache.shape[0], 1, 1, cache.shape[1])  # page size 1, one KV head, NHD
-    planned.wrapper.run(q if planned.perm is None else q.index_select(0, planned.perm), (kv, kv), o, lse)
+def _ratio(part) -> int:
+    kind, arg = part
+    return arg if kind == "global" else 1

@@ -20,7 +20,7 @@ from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
 from ..passes.roles import CudagraphSupport, declare_attention
 from ..step_metadata import to_device
-from . import attention_flashinfer, attention_graph, attention_triton
+from . import attention_graph, attention_triton, flashinfer_run
 from . import cache_triton
 
 # The attention kernel's per-view row blocks (attention_triton.row_blocks): built with
@@ -162,10 +162,14 @@ def view_fields(impl: str, device) -> dict:
 def cudagraph_support(setup) -> CudagraphSupport:
     """What these ops can run inside a FULL graph for ``setup``: any batch where its
     views carry the row blocks (the Triton kernel and the reference attention read
-    only the graph layout's device metadata there); never with FlashInfer, which
-    plans each step on the host."""
+    only the graph layout's device metadata there); with FlashInfer, any batch whose
+    step plans its views into the graph's wrappers before the graph replays (the
+    setup's ``prepare_view``: FlashInfer's CUDA-graph wrappers read fixed buffers
+    that each plan refills)."""
     impl = getattr(getattr(setup.kv, "cfg", None), "attention_impl", None)
-    if impl == "flashinfer" or ATTN_BLOCKS not in setup.view_fields:
+    if impl == "flashinfer":
+        return CudagraphSupport.ALWAYS if setup.prepare_view is not None else CudagraphSupport.NEVER
+    if ATTN_BLOCKS not in setup.view_fields:
         return CudagraphSupport.NEVER
     return CudagraphSupport.ALWAYS
 
@@ -212,7 +216,7 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     floored = view.replay
     scale = q.shape[-1] ** -0.5
     if cfg.attention_impl == "flashinfer":
-        attention_flashinfer.attend(q, out, swa, glob, ratio, view, floored, sink)
+        flashinfer_run.attend(q, out, swa, glob, ratio, view, floored, sink)
     elif use_triton:
         blocks = view.derived.get(ATTN_BLOCKS)
         if blocks is None:  # a view not built by build_step_batch
@@ -279,9 +283,12 @@ def _graph_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.
     use_triton = _use_triton(cfg.attention_impl, q.device)
     _write_kv(layer, kv, compress, g.rows, g.slot_mapping, g.derived[COMP_SLOTS].view(-1), caches, use_triton)
     glob, ratio = _global_keys(layer, caches)
+    out.zero_()  # the padding rows, which no block covers
+    if cfg.attention_impl == "flashinfer":  # a FULL step's plans cover the padding rows, planned before it
+        flashinfer_run.attend(q, out, swa, glob, ratio, view, view.replay, sink)
+        return
     scale = q.shape[-1] ** -0.5
     blocks = g.derived[ATTN_BLOCKS]
-    out.zero_()  # the padding rows, which no block covers
     if use_triton:
         attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, view.replay, sink, scale,
                                 g.max_model_len if cfg.attention_split else 0)
