@@ -575,16 +575,20 @@ def test_flashinfer_check_passes_a_faithful_wrapper_and_names_a_wrong_row(monkey
     assert call["plan"]["split"] is False and call["plan"]["window_left"] == 15
 
 
-def test_full_graphs_plan_each_view_into_the_graph_wrappers_before_they_replay(models):
+@pytest.mark.parametrize("options", [{}, {"decoder_replay": False}], ids=["region", "no-region"])
+def test_full_graphs_plan_each_view_into_the_graph_wrappers_before_they_replay(models, options):
     """full_and_piecewise with FlashInfer: a step below the trim threshold runs as one
     (emulated) FULL graph, whose views the step plans into wrappers of the graph's size
     before it replays: the whole batch for the main layers (the ratio-2 global part's
     rows permuted through fixed buffers), its replay twin for the replay layers. Each
     replay reads the new step's plans, never the captured step's; trimming steps still
-    run in pieces. All against the reference attention."""
+    run in pieces. Without a replay region (``decoder_replay`` off) the replay layers
+    read their view between the main layers, inside the FULL graph too: planned alike.
+    All against the reference attention."""
     ref, fim = models
     backend = ReplayBackend(compiler="eager", max_num_seqs=MAX_NUM_SEQS, max_cudagraph_capture_size=64,
-                            decoder_replay_trim_threshold=48, strict=True, cudagraph_mode="full_and_piecewise")
+                            decoder_replay_trim_threshold=48, strict=True, cudagraph_mode="full_and_piecewise",
+                            **options)
     runner, oracle = _runner(fim, backend=backend), _runner(ref)
     summary = runner.capture()
     assert summary["full"]["graphs"] > 0, summary
@@ -594,7 +598,8 @@ def test_full_graphs_plan_each_view_into_the_graph_wrappers_before_they_replay(m
     kinds = []
     for i, reqs in enumerate(steps):
         kinds.append(_agree(runner, oracle, reqs, i).step.kind)
-    assert kinds.count("full") == 5 and "piecewise" in kinds, kinds
+    # without a region nothing trims, and the 48-token step is FULL too
+    assert kinds == ["full"] * 4 + ["piecewise" if not options else "full", "full"], kinds
     wrappers = runner.attention._wrappers
     graph_parts = {part for (slot, part) in wrappers if isinstance(slot, int)}
     assert {("swa", False), ("global", 2), ("swa", True), ("global", 1)} <= graph_parts, graph_parts

@@ -228,8 +228,9 @@ class CompiledReplayModel:
         if plan.kind is StepKind.FULL:
             if ctx.prepare_view is not None:  # the model's host planning, before the graph reads it
                 ctx.prepare_view(ctx.active, tp)
-                if self.replay is not None:
-                    ctx.prepare_view(ctx.region_view, tp)
+                # the replay layers' view, which they read inside the graph in a region
+                # or, where none was cut out, between the main layers (RegionAttention)
+                ctx.prepare_view(ctx.region_view, tp)
             return self.full.run(tp, lambda: self._pieces_at(None, new), ctx, new,
                                  lambda: self._pieces_at(tp if tp in self.main_level.sizes else None, new))
         return self._pieces_at(tp, new)

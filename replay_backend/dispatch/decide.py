@@ -118,9 +118,16 @@ class StepPlan:
         """The plan as the public record of what the step did."""
         rows = self.region_rows if self.trim else self.num_tokens
         # In a FULL step the region runs directly inside the step's one graph.
-        replay = self.padded_tokens if self.kind is StepKind.FULL else self.replay_padded
+        replay = self.region_read_by
         return StepResult(self.kind, self.num_tokens, self.padded_tokens, self.has_region, self.trim, rows,
                           replay if self.has_region else None, self.io_graphs)
+
+    @property
+    def region_read_by(self) -> int | None:
+        """The size of the graph that reads the replay layers' view (for the model's
+        host plans, ``prepare_view``): the step's FULL graph, or the region's replay
+        graph; None where the replay layers run without one."""
+        return self.padded_tokens if self.kind is StepKind.FULL else self.replay_padded
 
     @property
     def graphed(self) -> bool:

@@ -23,7 +23,8 @@ class RegionAttention(nn.Module):
 
     def forward(self, *args):
         ctx = get_forward_context()
-        saved = ctx.point_at(ctx.region_view)
+        plan = ctx.plan  # in a FULL step the graph that reads the view is the step's
+        saved = ctx.point_at(ctx.region_view, plan.region_read_by if plan is not None else None)
         try:
             return self.piece(*args)
         finally:

@@ -110,11 +110,9 @@ class ReplayRuntime:
         if self.io is not None and plan.kind is StepKind.PIECEWISE and self.res.lifecycle.capturing_main:
             self.io.remember(plan.padded_tokens, rows, outs)
         bufs = None if size is None else (self._views.get(size) or self._sliced(rows, size))
-        # The size of the graph that reads the region's view, for the attention's host
-        # plans (prepare_view): the replay graph's, or in a FULL step the step's one
-        # graph's, whose plans the step made before the graph ran.
-        read_by = plan.padded_tokens if plan.kind is StepKind.FULL else size
-        with ctx.activate(rep.view if plan.trim else ctx.region_view, read_by):
+        # In a FULL step the region runs directly (``size`` None) inside the step's
+        # graph, whose size its view was planned for before the graph ran.
+        with ctx.activate(rep.view if plan.trim else ctx.region_view, plan.region_read_by):
             if plan.io_graphs:
                 if rep.count_rows.data_ptr() != self.io.index_ptr:  # not built in place
                     self.io.stage(rep.count_rows)

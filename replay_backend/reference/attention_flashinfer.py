@@ -187,9 +187,9 @@ class FlashInferAttention:
         ``ratio`` (1: SWA): two sub-requests (the rows without keys, the rest) per
         request, of a served view or of capture's dummy view, or at ratio r per residue
         class of its rows, which a request of n rows has min(r, n) of; and the pad rows'
-        request."""
-        reqs = max(self.max_num_seqs, -(-size // self.max_request_rows))
-        return 2 * min(ratio * reqs, max(reqs, size)) + 1
+        request. A graph of ``size`` rows holds at most ``size`` requests."""
+        reqs = min(size, max(self.max_num_seqs, -(-size // self.max_request_rows)))
+        return 2 * min(ratio * reqs, size) + 1
 
     def _graph_splits(self, size: int, batch: int) -> bool:
         # FlashInfer's CUDA-graph plans always split, into at least ``programs`` items,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import dynamo as compat_dynamo
+from ..dispatch.decide import StepKind
 from ..batch import ViewField, int64_tensor
 from ..forward_context import get_forward_context
 from ..oplib import define_op, no_output
@@ -285,7 +286,9 @@ def _graph_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.
     glob, ratio = _global_keys(layer, caches)
     out.zero_()  # the padding rows, which no block covers
     if cfg.attention_impl == "flashinfer":  # a FULL step's plans cover the padding rows, planned before it
-        flashinfer_run.attend(q, out, swa, glob, ratio, view, view.replay, sink)
+        plan = get_forward_context().plan
+        flashinfer_run.attend(q, out, swa, glob, ratio, view, view.replay, sink,
+                              in_full_graph=plan is not None and plan.kind is StepKind.FULL)
         return
     scale = q.shape[-1] ** -0.5
     blocks = g.derived[ATTN_BLOCKS]

@@ -31,10 +31,11 @@ class Planned:
 
 
 def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Tensor | None, ratio: int,
-           view, floored: bool, sink: torch.Tensor) -> None:
+           view, floored: bool, sink: torch.Tensor, in_full_graph: bool = False) -> None:
     """Write attention for the planned rows of ``q`` into ``out`` (both [rows, heads,
-    D]): the SWA state and the global state, merged with the sink."""
-    plans = _plans_of(view)
+    D]): the SWA state and the global state, merged with the sink. ``in_full_graph``:
+    inside a FULL step's graph, which may read only plans of its size."""
+    plans = _plans_of(view, in_full_graph)
     if plans is None:
         raise RuntimeError("attention_impl='flashinfer' but this view was not planned: the runner's "
                            "ForwardContext must carry prepare_view=FlashInferAttention.prepare")
@@ -58,16 +59,21 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
     merge(out[:first.rows], o[0], lse[0], o[1], lse[1], sink, second.unperm)
 
 
-def _plans_of(view) -> dict | None:
+def _plans_of(view, in_full_graph: bool = False) -> dict | None:
     """The plans attention reads for ``view``. A view of a step laid out for FULL graphs
     reads the plans of its graph's size where the step made them (a FULL step, before
     its graph ran): inside the graph no host code points attention anywhere, so the
-    plans are found by the view alone. Else the plans last pointed at (:data:`PLAN`)."""
+    plans are found by the view alone. Else the plans last pointed at (:data:`PLAN`),
+    never inside a FULL graph: a plan made outside graphs moves with every plan."""
     g = view.graph
     if g is not None:
         graph_plans = view.derived.get(PLANS, {}).get(g.rows)
         if graph_plans and ("swa", view.replay) in graph_plans:
             return graph_plans
+    if in_full_graph:
+        raise RuntimeError(f"attention_impl='flashinfer': a FULL graph of {g.rows if g else '?'} rows reads a view "
+                           f"({'the replay layers' if view.replay else 'the main layers'}') not planned at its size: "
+                           "every view a FULL graph reads must be planned with prepare_view(view, size) before it")
     return view.derived.get(PLAN)
 
 
