@@ -35,8 +35,6 @@ from .flashinfer_run import PLAN, PLANS, Planned
 from .flashinfer_staging import TURNS, SlotStaging, Wrapper
 
 
-
-
 def available() -> bool:
     """Whether flashinfer-python is installed. It is imported only by a runner that uses
     it: the import takes seconds, and a broken install must not break the other kernels."""
@@ -273,8 +271,8 @@ class FlashInferAttention:
         (its page table copied in, in stream order) before it replays. A served view's
         requests own disjoint slots, so its page table is at most the cache's slot
         count; capture's dummy requests all read the same slots, and a graph larger
-        than the cache lists more. Graphs are planned largest first, so the first
-        buffer of a part is its largest."""
+        than the cache lists more: a wrapper whose first plan lists more pages than the
+        part's buffer holds gets a buffer of its own."""
         need = max(self.num_slots, pages)
         buf = self._pages.get(part)
         if buf is None or buf.numel() < need:
