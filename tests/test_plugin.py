@@ -38,21 +38,18 @@ WRONG = textwrap.dedent('''
 
 
 @pytest.fixture
-def one_thread():
-    # in-process pytester: the tiny model runs faster on one thread, far faster when
-    # another process shares the cores
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def one_thread(monkeypatch):
+    # The tiny model runs faster on one thread, far faster when another process shares
+    # the cores. pytester runs in a process of its own: in this one it would unload the
+    # torch modules its run imported, whose operator registrations would then collide
+    # with a later test's import of them.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def test_user_test_with_the_plugin(pytester, one_thread):
     plan_json = json.dumps(_plan().as_dict())
     pytester.makepyfile(test_user=f"import json\nPLAN_JSON = {plan_json!r}\n" + _doc_example() + WRONG)
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "dsv41-replay *: fixtures dsv41_backend, dsv41_counters, dsv41_plan, dsv41_assert_plan",
@@ -68,8 +65,8 @@ def test_user_test_with_the_plugin(pytester, one_thread):
 
 def test_plugin_is_an_entry_point_and_can_be_disabled(pytester):
     pytester.makepyfile(test_x="def test_x(dsv41_counters):\n    assert dsv41_counters.delta() == {}\n")
-    pytester.runpytest().assert_outcomes(passed=1)
-    result = pytester.runpytest("-p", "no:dsv41_replay")
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("-p", "no:dsv41_replay")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*fixture 'dsv41_counters' not found*"])
 
