@@ -203,7 +203,7 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
     if compress is not None and view.replay:
         raise RuntimeError(f"layer {layer} is a KV source and cannot run in the replay region")
     if view.graph is not None:
-        _graph_attention(layer, q, kv, sink, out, compress, view, caches)
+        _graph_attention(layer, q, kv, sink, out, compress, view, caches, ctx.plan)
         return
     n = view.num_tokens
     if q.shape[0] < n:
@@ -273,12 +273,12 @@ def _global_keys(layer: int, caches) -> tuple[torch.Tensor | None, int]:
 
 
 def _graph_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
-                     compress, view, caches) -> None:
+                     compress, view, caches, plan) -> None:
     """Attention that a FULL graph can hold: every row of the graph layout, read from
     its fixed device metadata only (``view.graph``), with one grid and one split for
     every step of its size. Padding rows write the pad slot and attend to nothing
     (zeros). Pieces run it too for a batch laid out so, whose steps then compute alike
-    in a FULL graph and in pieces."""
+    in a FULL graph and in pieces. ``plan``: the step's (the context's)."""
     cfg, g = caches.cfg, view.graph
     swa = caches.swa[layer]
     use_triton = _use_triton(cfg.attention_impl, q.device)
@@ -286,7 +286,6 @@ def _graph_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.
     glob, ratio = _global_keys(layer, caches)
     out.zero_()  # the padding rows, which no block covers
     if cfg.attention_impl == "flashinfer":  # a FULL step's plans cover the padding rows, planned before it
-        plan = get_forward_context().plan
         flashinfer_run.attend(q, out, swa, glob, ratio, view, view.replay, sink,
                               in_full_graph=plan is not None and plan.kind is StepKind.FULL)
         return
