@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -187,41 +188,43 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     address and shape per padded size, whatever the step holds."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
+    if len(token_ids) != len(requests):
+        raise ValueError(f"{len(token_ids)} token id lists for {len(requests)} requests")
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
         if len(toks) != r.query_len:
             raise ValueError(f"request {i}: {len(toks)} token ids for query_len={r.query_len}")
-        if isinstance(toks, torch.Tensor) and toks.device.type != "cpu":
-            raise ValueError(f"request {i}: token_ids[{i}] is on {toks.device}: a step's metadata is built on the "
-                             "host, so give its token ids as a list or a CPU tensor")
+        if isinstance(toks, torch.Tensor):
+            if toks.device.type != "cpu":
+                raise ValueError(f"request {i}: token_ids[{i}] is on {toks.device}: a step's metadata is built on "
+                                 "the host, so give its token ids as a list or a CPU tensor")
+            if toks.dim() != 1 or toks.dtype.is_floating_point or toks.dtype.is_complex or toks.dtype == torch.bool:
+                raise ValueError(f"request {i}: token_ids[{i}] is a {toks.dim()}-D {toks.dtype} tensor: give a "
+                                 "request's token ids as a list of ints or a 1-D integer tensor")
     if len(blocks) != len(requests):
         raise ValueError(f"{len(blocks)} cache blocks for {len(requests)} requests")
     blocks = check_blocks(requests, blocks, layout, shared=pad_writes)
 
     qlens = [r.query_len for r in requests]
     base = tuple(layout.base(b) for b in blocks)
-    qsl = [0]
-    for q in qlens:
-        qsl.append(qsl[-1] + q)
-    # Tensor ops on the host rather than per-token Python: a 16K-token step's metadata
-    # is on the critical path before its first kernel.
-    # One arange per request, not ``repeat_interleave`` of the bases: that one runs a
-    # parallel region for two or more requests, which on a host whose cores are busy
-    # waits for a scheduler time slice (milliseconds), and is no faster when idle.
-    pos = torch.cat([torch.arange(r.seq_len - q, r.seq_len, dtype=torch.int64)
-                     for r, q in zip(requests, qlens)])
+    qsl = list(itertools.accumulate(qlens, initial=0))
+    t = qsl[-1]
+    # A row's position less its index is one number per request, and so is its slot
+    # less its position (the request's block base): each spread to its request's rows
+    # in a few host ops whatever the request count, where ops per request would put
+    # hundreds before a many-request step's first kernel.
+    pos = torch.arange(t, dtype=torch.int64) + _per_row(qsl, [r.seq_len - q - a
+                                                               for r, q, a in zip(requests, qlens, qsl)])
     if pad_writes:
-        slots = torch.full((qsl[-1],), layout.pad_slot, dtype=torch.int64)
+        slots = torch.full((t,), layout.pad_slot, dtype=torch.int64)
     else:
-        slots = torch.cat([torch.arange(b + r.seq_len - q, b + r.seq_len, dtype=torch.int64)
-                           for r, q, b in zip(requests, qlens, base)])
+        slots = pos + _per_row(qsl, base)
     floors = tuple(replay_floor(r, window) for r in requests)
     seq_lens = tuple(r.seq_len for r in requests)
     rows, kqsl = replay_rows(requests, window)
     rows_cpu = int64_tensor([len(rows), *rows])  # the count, then the rows
     kept = rows_cpu[1:]
-    ids = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
+    ids = _token_ids(token_ids)
     last = int64_tensor([q - 1 for q in qsl[1:]])
-    t = qsl[-1]
     fields = tuple((view_fields or {}).items())
     extra = []
     for name, f in fields:
@@ -270,6 +273,28 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     return StepBatch(requests, window, ids, pos, last, view, replay, view.for_replay_layers(), metadata,
                      metadata.generation if metadata is not None else 0, layout, owner=owner, pad_writes=pad_writes,
                      graph=graph)
+
+
+def _per_row(qsl: list[int], values: list[int]) -> torch.Tensor:
+    """``values[i]`` on each row of request i (rows ``qsl[i]:qsl[i + 1]``, none empty):
+    each request's step from the one before at its first row, summed along the rows.
+    A cumulative sum of one dimension runs on one thread, so it never waits for a busy
+    host's other cores (``repeat_interleave`` does)."""
+    if len(values) == qsl[-1]:  # a row per request
+        return int64_tensor(values)
+    steps = int64_tensor([values[0], *(b - a for a, b in zip(values, values[1:]))])
+    return torch.zeros(qsl[-1], dtype=torch.int64).index_copy_(0, int64_tensor(qsl[:-1]), steps).cumsum_(0)
+
+
+def _token_ids(token_ids) -> torch.Tensor:
+    """The requests' token ids, in order, as one int64 host tensor: lists of ints in one
+    conversion, else a tensor per request."""
+    if all(isinstance(toks, (list, tuple)) for toks in token_ids):
+        try:
+            return int64_tensor(list(itertools.chain.from_iterable(token_ids)))
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"token ids must be int64 integers: {e}") from None
+    return torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from replay_backend.reference.batch_spec import parse_batch_spec
 from replay_backend.kv_cache import CacheLayout
 from replay_backend.reference.attention_ops import COMP_FIELD, COMP_SLOTS, VIEW_FIELDS
 from replay_backend.reference.config import ModelConfig, preset
-from replay_backend.reference.prompts import schedule_prefill
+from replay_backend.reference.prompts import PromptTokens, schedule_prefill
 
 R = RequestChunk
 
@@ -130,6 +130,39 @@ def test_metadata_fields_start_16_byte_aligned_whatever_the_sizes(qlens):
     assert len(b.view.slot_mapping) == sum(qlens) and len(b.replay.positions) == b.replay.num_rows
 
 
+@pytest.mark.parametrize("qlens", [[1], [9], [1] * 64, [4] * 5, [1, 250, 60, 1, 1, 3], [300, 1]])
+@pytest.mark.parametrize("pad_writes", [False, True])
+def test_each_rows_position_slot_and_token_are_its_own_requests(qlens, pad_writes):
+    """Positions, slots and token ids row by row, from each request alone: a request's
+    rows hold its last positions, written into its own block (or the pad slot), and
+    its own tokens, whether they come as lists or tensors."""
+    layout = CacheLayout(max_model_len=1024, num_blocks=64)
+    reqs = [R(f"r{i}", q, q + 5 * i) for i, q in enumerate(qlens)]
+    blocks = [(7 * i + 3) % 64 for i in range(len(reqs))]
+    if pad_writes:
+        blocks = [0] * len(reqs)
+    ids = [list(range(100 * i, 100 * i + r.query_len)) for i, r in enumerate(reqs)]
+    want_pos, want_slots, want_ids = [], [], []
+    for r, b, toks in zip(reqs, blocks, ids):
+        for p in range(r.seq_len - r.query_len, r.seq_len):
+            want_pos.append(p)
+            want_slots.append(layout.pad_slot if pad_writes else b * layout.max_model_len + p)
+        want_ids += toks
+    for given in (ids, [torch.tensor(t, dtype=torch.int32) for t in ids], [ids[0], *map(torch.tensor, ids[1:])]):
+        b = build_step_batch(reqs, given, blocks, layout, 16, "cpu", pad_writes=pad_writes)
+        assert _list(b.positions) == want_pos and _list(b.view.slot_mapping) == want_slots
+        assert _list(b.input_ids) == want_ids
+
+
+@pytest.mark.parametrize("ids,match", [([[1.5], [2]], "token ids must be int64 integers"),
+                                       ([torch.tensor([1.0]), [2]], "token_ids\\[0\\] is a 1-D torch.float32 tensor"),
+                                       ([torch.tensor([[1]]), [2]], "token_ids\\[0\\] is a 2-D torch.int64 tensor"),
+                                       ([[2**63], [2]], "token ids must be int64 integers")])
+def test_token_ids_that_are_not_integers_are_refused(ids, match):
+    with pytest.raises(ValueError, match=match):
+        build_step_batch([R("a", 1, 3), R("b", 1, 3)], ids, [0, 1], LAYOUT, 16, "cpu")
+
+
 # --------------------------------------------------------------------------------------
 # Other compositions
 # --------------------------------------------------------------------------------------
@@ -216,6 +249,14 @@ def test_token_id_count_mismatch():
     reqs = [R("a", 3, 3), R("b", 4, 10)]
     with pytest.raises(ValueError, match=r"request 1: 3 token ids for query_len=4"):
         build_step_batch(reqs, [[1, 2, 3], [1, 2, 3]], [0, 1], LAYOUT, 16, "cpu")
+
+
+@pytest.mark.parametrize("ids", [[[1, 2, 3]], [[1, 2, 3], [1, 2, 3, 4], [5]]])
+def test_a_token_id_list_per_request_or_an_error_naming_the_counts(ids):
+    """One token id list too few or too many: a batch whose token ids and positions
+    differ in length would reach the model."""
+    with pytest.raises(ValueError, match=rf"{len(ids)} token id lists for 2 requests"):
+        build_step_batch([R("a", 3, 3), R("b", 4, 10)], ids, [0, 1], LAYOUT, 16, "cpu")
 
 
 def test_block_count_mismatch():
@@ -368,6 +409,15 @@ def test_parse_batch_spec_bad(spec, match):
 # --------------------------------------------------------------------------------------
 # Chunked prefill schedule
 # --------------------------------------------------------------------------------------
+def test_a_runners_step_tokens_are_its_prompt_tokens_as_a_list_or_a_tensor():
+    tokens = PromptTokens(vocab=1000, max_len=4096)
+    for start, end in [(0, 1), (4000, 4016), (7, 300), (0, 4096)]:
+        got = tokens.for_step("req-7", start, end)
+        assert isinstance(got, list) == (end - start <= PromptTokens.SHORT)
+        assert torch.equal(torch.as_tensor(got), tokens("req-7", start, end))
+    assert tokens.for_step("req-7", 5, 6) != tokens.for_step("req-8", 5, 6)
+
+
 def test_schedule_prefill_hand_worked():
     # 100 + 30 + 50 tokens with a budget of 48:
     #   step 1: 48 of request 0; step 2: 48 more; step 3: its last 4, all 30 of

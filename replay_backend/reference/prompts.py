@@ -13,14 +13,28 @@ class PromptTokens:
     seed from the request id. The position terms are kept for every position of the
     cache: computed per step they were eight host ops before a step's first kernel."""
 
+    # Chunks of at most this many tokens (decodes, speculative decodes) come as lists:
+    # Python arithmetic on a few ints takes less host time than tensor ops on them.
+    SHORT = 16
+
     def __init__(self, vocab: int, max_len: int) -> None:
         p = torch.arange(max_len, dtype=torch.int64)
         self.vocab = vocab
         self.by_position = (p * 40503) % vocab + (p * p) % 977
+        self._by_position = self.by_position.tolist()
 
     def __call__(self, req_id, start: int, end: int) -> torch.Tensor:
-        seed = zlib.crc32(str(req_id).encode())
-        return (self.by_position[start:end] + (seed * 2654435761) % self.vocab).remainder_(self.vocab)
+        return (self.by_position[start:end] + self._seed(req_id)).remainder_(self.vocab)
+
+    def for_step(self, req_id, start: int, end: int) -> list[int] | torch.Tensor:
+        """The same tokens as a step's batch takes them: a short chunk's as a list."""
+        if end - start > self.SHORT:
+            return self(req_id, start, end)
+        seed = self._seed(req_id)
+        return [(t + seed) % self.vocab for t in self._by_position[start:end]]
+
+    def _seed(self, req_id) -> int:
+        return zlib.crc32(str(req_id).encode()) * 2654435761 % self.vocab
 
 
 def schedule_prefill(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:

@@ -154,7 +154,7 @@ class StepRunner:
         validate_requests(requests, self.layout, self.cfg.window, self.max_num_batched_tokens)
         self._check_context(requests)
         blocks = self._claim_blocks([r.req_id for r in requests])  # the last check: it claims blocks
-        tokens = [self.tokens(r.req_id, r.context_len, r.seq_len) for r in requests]
+        tokens = [self.tokens.for_step(r.req_id, r.context_len, r.seq_len) for r in requests]
         if self.compiled is not None:  # as the compiled model serves it (its metadata buffer)
             return self.compiled.build_batch(requests, tokens, blocks, self.max_num_batched_tokens, owner=self)
         return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
