@@ -23,14 +23,15 @@ from .fallbacks import Fallback, StrictFallbackError, process_fallback  # noqa: 
 from .compiling.piece_cache import PieceCache
 from .config import ReplayConfig
 from .counters import counters
+from .dispatch.agree import tell_failed
 from .dispatch.compiled import CompiledReplayModel
 from .batch import build_step_batch
-from .capture.full import full_capture_step
+from .requests import check_request_types
+from .capture import drive
 from .dispatch.direct import CallLog, run_dummy
-from .dispatch.full_policy import resolve_policy
-from .forward_context import has_forward_context, set_forward_context
+from .forward_context import has_forward_context
 from .lifecycle import Lifecycle, Phase
-from .parallel import check_same_options, check_same_schedule
+from .parallel import check_same_options
 from .passes.region import marked_window
 from .pipeline import build
 from .step_metadata import MetadataBuffer, metadata_capacity
@@ -72,6 +73,9 @@ class ReplayBackend:
                                  "wait for the device each step: give a CPU group, dist.new_group(ranks, "
                                  "backend='gloo')")
         self.dp_group, self.tp_group = dp_group, tp_group
+        if self.config.debug_check_ranks and tp_group is None:
+            log.warning("dsv41_replay: option debug_check_ranks=True has no effect without tensor-parallel ranks "
+                        "(ReplayBackend(tp_group=...)): there is no other rank to compare plans with")
         for group in (dp_group, tp_group):  # before any trace: a rank with other options is an error now
             if group is not None:
                 check_same_options(self.config, group)
@@ -124,81 +128,12 @@ class ReplayBackend:
         under the caller's forward context, ``replay_view_for(n)`` gives the view of
         ``n`` dummy replay rows. Returns the per-runner capture summary;
         :meth:`start_serving` comes next."""
-        life = self.lifecycle
-        life.expect("capture", Phase.WARMING)
-        if not callable(setup):
-            if replay_view_for is not None or metadata is not None:
-                raise TypeError("capture(setup) takes the StepSetup alone")
-            setup = self.use(setup)
-            model = self._learned_model("capture")
-            metadata = self._metadata_buffer(setup)
-            # The FULL sizes first: they are part of the schedule the ranks compare.
-            run_full = full_capture_step(model, setup, metadata, resolve_policy(self.config, model, setup, metadata))
-            self._check_same_schedule()
-            with set_forward_context(setup.context(setup.dummy_batch(setup.window))):
-                summary = self._capture(lambda n: run_dummy(model, setup, n), setup.replay_view, metadata, run_full)
-        else:
-            if self.config.full_graphs:
-                self.model.res.fallback(Fallback.CUDAGRAPH_MODE, f"cudagraph_mode={self.config.cudagraph_mode!r}: "
-                                        "capture(run_step, replay_view_for) captures no FULL graph; pass the model's "
-                                        "StepSetup to capture() for them")
-                self.model.use_full_policy(None)
-            self._check_same_schedule()
-            if replay_view_for is None:
-                raise TypeError("capture(run_step, replay_view_for): the replay view builder is missing")
-            if not has_forward_context():
-                raise RuntimeError("dsv41_replay: capture() needs a forward context around it: the replay graphs "
-                                   "are captured outside any model step, so wrap the call in "
-                                   "set_forward_context(ForwardContext(dummy_step_batch(...), kv=your_cache)), or "
-                                   "pass a StepSetup and let the backend run its dummy steps")
-            summary = self._capture(setup, replay_view_for, metadata)
-        graphs = sum(level.get("graphs", 0) for level in summary.values())
-        if graphs == 0 and self.config.graphs_enabled:
-            self.model.res.fallback(Fallback.NOTHING_CAPTURED, f"capture() captured no graph: {self._why_no_graphs()}")
-        elif graphs == 0:
-            log.info("dsv41_replay: capture() captured no graph: cudagraph_mode='none'")
-        return summary
-
-    def _check_same_schedule(self) -> None:
-        for group in (self.dp_group, self.tp_group):
-            if group is not None:
-                check_same_schedule(self.model, group)
-
-    def _capture(self, run_step, replay_view_for, metadata, run_full=None) -> dict:
-        life = self.lifecycle
-        life.advance(Phase.CAPTURING_MAIN)
-        try:
-            # Graphs serve inference; the replay graphs run the region outside any model
-            # step, where the caller's grad mode does not reach. no_grad, not
-            # inference_mode: the static buffers made here are written in place by every
-            # later step, whichever of the two that step runs under.
-            with torch.no_grad():
-                summary = self.model.capture(run_step, replay_view_for, metadata, run_full)
-        except BaseException:
-            life.advance(Phase.WARMING)
-            raise
-        life.advance(Phase.CAPTURED)
-        return summary
-
-    def _why_no_graphs(self) -> str:
-        model = self.model
-        if not model.token_inputs:
-            return "the model step was traced without a dynamic token count"
-        if not model.main_level.sizes:
-            return f"no main graph size (the plan: {model.plan.replay_off_reason or 'main graphs refused'})"
-        return "every piece ran eagerly"
+        return drive.capture(self, setup, replay_view_for, metadata)
 
     def estimate_graph_memory(self, setup):
         """What :meth:`capture` will take from the GPU, measured without capturing (a
         ``GraphMemoryEstimate``), from the dummy steps of ``setup`` (a ``StepSetup``)."""
-        self.lifecycle.expect("estimate_graph_memory", Phase.WARMING)
-        setup = self.use(setup)
-        model = self._learned_model("estimate_graph_memory")
-        metadata = self._metadata_buffer(setup)
-        run_full = full_capture_step(model, setup, metadata, resolve_policy(self.config, model, setup, metadata))
-        with set_forward_context(setup.context(setup.dummy_batch(setup.window))), torch.no_grad():
-            return model.estimate_graph_memory(lambda n: run_dummy(model, setup, n, use_graphs=False),
-                                               setup.replay_view, run_full)
+        return drive.estimate_graph_memory(self, setup)
 
     def start_serving(self, setup=None) -> None:
         """Warm-up (and capture) is over: no capture from now on, an uncaptured size is a
@@ -210,6 +145,12 @@ class ReplayBackend:
         life.expect("start_serving", Phase.WARMING, Phase.CAPTURING_MAIN, Phase.CAPTURING_REPLAY, Phase.CAPTURED)
         if setup is not None:
             self.use(setup)
+        if self.config.full_graphs and life.phase is Phase.WARMING and self.compiled:
+            # FULL graphs exist only from capture(): pieces may still be captured in served steps.
+            rest = "steps run in pieces where those are captured, else eagerly" if self.config.piecewise_graphs \
+                else "every step runs eagerly"
+            self.model.res.fallback(Fallback.UNCAPTURED_SIZE, f"cudagraph_mode={self.config.cudagraph_mode!r}: "
+                                    f"serving started without capture(), so no FULL graph was captured; {rest}")
         self.model.start_serving()
         life.advance(Phase.SERVING)
 
@@ -223,21 +164,27 @@ class ReplayBackend:
         metadata buffer (valid until the next build: run each batch before building the
         next). ``inputs_in_metadata``: only for a caller that reaches the compiled model
         directly (``ReplayCompiled`` does). ``owner``: who builds it, whose blocks
-        ``blocks`` are (``StepBatch.owner``)."""
-        if self.setup is None:
-            raise RuntimeError("dsv41_replay: build_batch() needs the model's StepSetup: pass it to capture() or "
-                               "start_serving(), or build batches with replay_backend.build_step_batch")
-        s = self.setup
-        limit = self.config.max_num_batched_tokens
-        if max_num_batched_tokens is not None:
-            limit = min(limit, max_num_batched_tokens)
-        serving = self.lifecycle.serving
-        policy = self.model.full_policy if serving and self.compiled else None
-        requests = tuple(requests)
-        graph_rows = policy.rows if policy is not None and policy.wants_layout(requests) else None
-        return build_step_batch(requests, token_ids, blocks, s.layout, s.window, s.device, limit,
-                                inputs_in_metadata=inputs_in_metadata, metadata=self.metadata if serving else None,
-                                view_fields=s.view_fields, owner=owner, graph_rows=graph_rows)
+        ``blocks`` are (``StepBatch.owner``). A batch refused fails the step: with
+        data-parallel ranks every other rank raises ``RankFailed`` (:meth:`fail_step`)."""
+        try:
+            if self.setup is None:
+                raise RuntimeError("dsv41_replay: build_batch() needs the model's StepSetup: pass it to capture() "
+                                   "or start_serving(), or build batches with replay_backend.build_step_batch")
+            s = self.setup
+            limit = self.config.max_num_batched_tokens
+            if max_num_batched_tokens is not None:
+                limit = min(limit, max_num_batched_tokens)
+            serving = self.lifecycle.serving
+            policy = self.model.full_policy if serving and self.compiled else None
+            requests = tuple(requests)
+            check_request_types(requests)
+            graph_rows = policy.rows if policy is not None and policy.wants_layout(requests) else None
+            return build_step_batch(requests, token_ids, blocks, s.layout, s.window, s.device, limit,
+                                    inputs_in_metadata=inputs_in_metadata,
+                                    metadata=self.metadata if serving else None, view_fields=s.view_fields,
+                                    owner=owner, graph_rows=graph_rows)
+        except Exception as e:  # noqa: BLE001 - whatever refused it, this rank runs no step
+            self.fail_step(e)
 
     def idle_step(self) -> None:
         """A step for a data-parallel rank with no requests: a dummy step of one token
@@ -247,7 +194,7 @@ class ReplayBackend:
         if self.setup is None:
             raise RuntimeError("dsv41_replay: idle_step() needs the model's StepSetup: pass it to capture() or "
                                "start_serving()")
-        model = self._learned_model("idle_step")
+        model = self.learned_model("idle_step")
         policy = model.full_policy
         tokens, batch = 1, {}
         if policy is not None and self.lifecycle.serving:
@@ -262,9 +209,11 @@ class ReplayBackend:
         checks fail before it calls the compiled model calls this instead, so that the
         other ranks raise ``RankFailed`` naming it rather than wait for it in the step's
         collectives. Without data-parallel ranks it only raises ``error``."""
-        if not self.has_run:
-            raise error
-        self.model.fail_step(error)
+        if self.compiled:
+            self.model.fail_step(error)
+        if self.dp_group is not None:  # nothing traced yet: the others' first step agrees all the same
+            tell_failed(self.dp_group)
+        raise error
 
     @property
     def last_step(self):
@@ -291,12 +240,13 @@ class ReplayBackend:
             raise ValueError(f"StepSetup.window={setup.window} differs from the window W={window} the model's "
                              "replay_begin declares")
 
-    def _learned_model(self, what: str) -> CompiledReplayModel:
+    def learned_model(self, what: str) -> CompiledReplayModel:
+        """The compiled model, which must have run a step (``what`` names the caller)."""
         if not self.has_run:
             raise RuntimeError(f"dsv41_replay: {what}() needs one step through the compiled model first")
         return self.model
 
-    def _metadata_buffer(self, setup) -> MetadataBuffer | None:
+    def metadata_buffer(self, setup) -> MetadataBuffer | None:
         """The fixed buffer served steps' metadata goes to, whose head the trim op's
         gather graphs and the FULL graphs read in place; None where off or impossible
         (a fallback)."""

@@ -188,6 +188,9 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     address and shape per padded size, whatever the step holds."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
+    for name, given in (("token_ids", token_ids), ("blocks", blocks)):
+        if not hasattr(given, "__len__") or isinstance(given, (str, bytes)):
+            raise ValueError(f"{name} must be a list with one entry per request, got {type(given).__name__}")
     if len(token_ids) != len(requests):
         raise ValueError(f"{len(token_ids)} token id lists for {len(requests)} requests")
     for i, (r, toks) in enumerate(zip(requests, token_ids)):
@@ -315,8 +318,9 @@ def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, 
     slot. The first request's rows follow ``context`` positions, whose cache entries its
     attention reads (whatever they hold: the outputs are thrown away). ``graph_rows``
     and ``metadata``: as ``build_step_batch``'s (a FULL graph's capture);
-    ``per_request``: requests of this many tokens each (a uniform decode's)."""
-    w = min(per_request or window, window, layout.max_model_len - context)
+    ``per_request``: requests of this many tokens each (a uniform decode's, which may
+    be longer than the window: a FULL graph's step never trims)."""
+    w = min(per_request or window, layout.max_model_len - context)
     if w < 1:
         raise ValueError(f"context={context} leaves no room in max_model_len={layout.max_model_len}")
     reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s) + (context if i == 0 else 0))

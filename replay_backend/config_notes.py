@@ -56,6 +56,10 @@ def notes(cfg) -> list[str]:
         if off is not None:
             notes.append(f"dsv41_replay: option metadata_in_place=True: no trim graph reads the metadata in "
                          f"place with {off[0]} ({off[1]}); served steps' metadata still shares one buffer")
+    if "metadata_in_place" in given and not cfg.metadata_in_place and cfg.full_graphs:
+        notes.append(f"dsv41_replay: option metadata_in_place=False: cudagraph_mode={cfg.cudagraph_mode!r} captures "
+                     "no FULL graph (a FULL graph reads its steps' metadata where the backend's buffer holds it), "
+                     "a counted fallback at capture")
     if cfg.inductor_mode == "max-autotune-no-cudagraphs" and cfg.graphs_enabled:
         notes.append("dsv41_replay: mode='max-autotune-no-cudagraphs' autotunes the pieces and keeps "
                      "Inductor's own graphs off; this backend's graphs follow option "

@@ -133,10 +133,19 @@ def replay_rows_for(requests, window: int) -> ReplayRows:
     return ReplayRows(tuple(rows), tuple(positions), tuple(qsl), tuple(replay_floor(r, window) for r in requests))
 
 
+def check_request_types(requests) -> None:
+    """Refuse a step's requests that are not RequestChunks, naming the first."""
+    for i, r in enumerate(requests):
+        if not isinstance(r, RequestChunk):
+            raise ValueError(f"request {i}: a step's requests are replay_backend.RequestChunk, got "
+                             f"{type(r).__name__} {r!r:.80}")
+
+
 def validate_requests(requests, layout: CacheLayout, window: int,
                       max_num_batched_tokens: int | None = None) -> None:
     if not requests:
         raise ValueError("empty batch: a step needs at least one request")
+    check_request_types(requests)
     seen = set()
     total = 0
     for i, r in enumerate(requests):

@@ -83,8 +83,8 @@ class MetadataBuffer:
         if generation != self.generation:
             raise RuntimeError(
                 "stale StepBatch: its device metadata lives in its backend's metadata buffer, which "
-                "was overwritten after it was built (by a later build_batch, or by the rows of a "
-                "batch built elsewhere and run on that model). Served steps' metadata has one "
+                "was overwritten after it was built (by a later build_batch or idle_step, or by the "
+                "rows of a batch built elsewhere and run on that model). Served steps' metadata has one "
                 "fixed address, read in place by the trim op's graphs: run each batch before "
                 "building the next one.")
 

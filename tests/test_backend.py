@@ -85,7 +85,7 @@ def shared(model):
     env = _shared["env"]
     yield env
     for r in (env.rc, env.ro):
-        for rid in list(r._blocks):
+        for rid in list(r.blocks_given):
             r.free(rid)
 
 

@@ -259,6 +259,16 @@ def test_a_token_id_list_per_request_or_an_error_naming_the_counts(ids):
         build_step_batch([R("a", 3, 3), R("b", 4, 10)], ids, [0, 1], LAYOUT, 16, "cpu")
 
 
+@pytest.mark.parametrize("reqs, ids, blocks, match", [
+    ([("a", 1, 3)], [[1]], [0], r"request 0: a step's requests are replay_backend.RequestChunk, got tuple"),
+    ([R("a", 1, 3)], None, [0], "token_ids must be a list with one entry per request, got NoneType"),
+    ([R("a", 1, 3)], [[1]], (b for b in [0]), "blocks must be a list with one entry per request, got generator"),
+])
+def test_a_batch_of_the_wrong_kinds_of_arguments_is_refused_naming_the_argument(reqs, ids, blocks, match):
+    with pytest.raises(ValueError, match=match):
+        build_step_batch(reqs, ids, blocks, LAYOUT, 16, "cpu")
+
+
 def test_block_count_mismatch():
     with pytest.raises(ValueError, match=r"1 cache blocks for 2 requests"):
         build_step_batch([R("a", 1, 3), R("b", 1, 3)], [[1], [2]], [0], LAYOUT, 16, "cpu")
@@ -541,6 +551,31 @@ def test_a_step_over_the_free_blocks_claims_none_and_the_next_good_step_runs(mak
     runner.free("e")
     out = runner.step([R("b", 2, 2), R("c", 3, 3)])
     assert out.batch.view.cache_base == (runner.layout.base(1), runner.layout.base(2))
+
+
+def test_a_runner_schedules_within_its_backends_token_limit_and_a_refused_step_claims_no_block(
+        make_runner, fresh_dynamo, monkeypatch):
+    """A runner built with a backend whose max_num_batched_tokens is below its own:
+    its prompts are chunked to the backend's limit, a step over it is refused before
+    any block is claimed, and a step the backend refuses for any reason keeps none."""
+    from replay_backend import ReplayBackend
+
+    runner = make_runner(backend=ReplayBackend(compiler="eager", max_num_batched_tokens=64,
+                                               cudagraph_capture_sizes=[8, 16]))
+    assert runner.max_num_batched_tokens == 64
+    with pytest.raises(ValueError, match="step has 100 tokens, more than max_num_batched_tokens=64"):
+        runner.build_batch([R("a", 100, 100)])
+    assert runner.blocks_given == {}
+    got, want = runner.prefill({"a": 100}), make_runner().prefill({"a": 100})
+    assert (got["a"] - want["a"]).abs().max() < 1e-4
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused by the backend")
+
+    monkeypatch.setattr(runner.compiled, "build_batch", refuse)
+    with pytest.raises(ValueError, match="refused by the backend"):
+        runner.build_batch([R("a", 1, 101), R("b", 2, 2)])
+    assert runner.blocks_given == {"a": 0}  # "b"'s block given back; "a" holds its own
 
 
 def test_a_chunk_whose_context_is_not_in_the_cache_is_refused(make_runner):

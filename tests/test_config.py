@@ -302,6 +302,7 @@ NOTED = [
     ({"decoder_replay": False, "max_num_seqs": 64}, "max_num_seqs", "decoder_replay"),
     ({"decoder_replay_cudagraph_capture_sizes": [16, 32], "max_num_seqs": 64}, "max_num_seqs",
      "decoder_replay_cudagraph_capture_sizes"),
+    ({"cudagraph_mode": "full", "metadata_in_place": False}, "metadata_in_place", "cudagraph_mode='full'"),
 ]
 
 
@@ -314,6 +315,13 @@ def test_an_option_a_switch_turns_off_is_noted_once_naming_both(options, key, sw
     assert len(notes) == 1, notes
     assert f"option {key}" in notes[0] and switch in notes[0], notes[0]
     assert ReplayConfig.from_options(options).notes() == [notes[0]]
+
+
+def test_debug_check_ranks_without_tensor_parallel_ranks_is_noted(caplog):
+    with caplog.at_level(logging.WARNING, logger="replay_backend"):
+        ReplayBackend(debug_check_ranks=True)
+    (note,) = [r.getMessage() for r in caplog.records if r.name == "replay_backend"]
+    assert "debug_check_ranks=True has no effect" in note and "tp_group" in note
 
 
 def test_a_config_built_directly_notes_what_differs_from_the_defaults(caplog, monkeypatch):

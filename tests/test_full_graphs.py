@@ -457,6 +457,40 @@ def test_full_runs_steps_below_the_threshold_full_and_a_trimming_step_eagerly(mo
         same_step(got, want, rc, ro)
 
 
+def test_uniform_decodes_longer_than_the_window_are_captured_and_served_full(model):
+    """uniform_decode_query_len above W (16): capture's dummy decodes are that long too
+    (a FULL step never trims), and such a decode, whose replay floor lies inside its
+    chunk, runs as one FULL graph matching the oracle."""
+    rc, ro = runner(model, cudagraph_mode="full_decode_only", uniform_decode_query_len=20, strict=True), runner(model)
+    summary = rc.capture()
+    assert summary["full"]["graphs"] == summary["full"]["sizes"] > 0
+    for step, kind in [([R("a", 30, 30)], EAGER), ([R("a", 20, 50)], FULL), ([R("a", 20, 70), R("b", 5, 5)], EAGER),
+                       ([R("a", 20, 90, kv_start=75)], FULL)]:
+        got, want = rc.step(step), ro.step(step)
+        assert got.result.kind is kind, (step, got.result)
+        same_step(got, want, rc, ro)
+
+
+@pytest.mark.parametrize("mode", ["full", "full_decode_only", "full_and_piecewise"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_serving_a_full_mode_without_capture_is_a_counted_fallback(model, mode, strict):
+    """No capture(), so no FULL graph: start_serving says so once (an error under
+    strict, before serving starts), and the steps run right without one."""
+    rc, ro = runner(model, cudagraph_mode=mode, strict=strict), runner(model)
+    rc.run(rc.dummy_batch(CFG.window), use_graphs=False)  # the trace
+    if strict:
+        with pytest.raises(StrictFallbackError, match=f"uncaptured_size: cudagraph_mode='{mode}': serving started "
+                                                      "without capture"):
+            rc.start_serving()
+        assert not rc.backend.lifecycle.serving
+        return
+    with counters.expect(strict=False, fallbacks={"uncaptured_size": 1}):
+        rc.start_serving()
+    got, want = rc.step([R("a", 1, 1)]), ro.step([R("a", 1, 1)])  # full_and_piecewise: its pieces count too
+    assert got.result.kind is not FULL
+    same_step(got, want, rc, ro)
+
+
 # ---- data parallelism ----------------------------------------------------------------
 # Per step, rank 0's requests and rank 1's, and the kind and size both run at. The
 # attention supports UNIFORM_DECODE, uniform_decode_query_len=2 (one draft token): FULL
@@ -559,6 +593,9 @@ def test_each_mode_says_which_graphs_it_captures(mode, full, pieces):
     ({"uniform_decode_query_len": "2"}, "uniform_decode_query_len"),
     ({"uniform_decode_query_len": True}, "uniform_decode_query_len"),
     ({"uniform_decode_query_len": 10 ** 9}, "uniform_decode_query_len"),
+    # no capture size holds one uniform decode request
+    ({"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [1, 2], "uniform_decode_query_len": 3},
+     "uniform_decode_query_len"),
 ])
 def test_a_bad_mode_or_uniform_decode_query_len_is_refused_naming_it(options, key):
     with pytest.raises(ValueError, match=f"option {key}"):

@@ -147,7 +147,9 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
                 got = rc.step(reqs)
                 out.append(max_abs_err(got.logits, ro.step(reqs).logits))
                 continue
-            if how == "stale":
+            if how == "refused":  # the runner's build_batch: more new requests than free blocks
+                rc.step([R(f"x{i}", 2, 2) for i in range(9)])
+            elif how == "stale":
                 batch = rc.build_batch(reqs)
                 rc.build_batch(reqs)  # overwrites the first's metadata
             elif how == "freed":  # the runner's own check, before it calls the compiled model
@@ -165,7 +167,7 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
 
 
 @pytest.mark.parametrize("how,error", [("stale", "stale StepBatch"), ("strict", "metadata_in_place"),
-                                       ("freed", "holds no block for it")])
+                                       ("freed", "holds no block for it"), ("refused", "no free cache block")])
 def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_at_once(how, error):
     """A data-parallel rank whose step fails before the agreement still joins it, as
     failed: the other rank raises at once naming it, instead of waiting in the step's
@@ -176,6 +178,36 @@ def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_at_once(h
     assert name == "RankFailed" and "data-parallel rank 1 failed this step" in message, rank0[1]
     assert seconds < 30, rank0[1]
     assert max(rank0[0], rank0[2], rank1[0], rank1[2]) <= TOL, (rank0, rank1)
+
+
+def _fails_its_first_step(rank: int, world: int) -> list:
+    """DEP2 without capture: rank 1's first step is refused by the runner's own check
+    (a chunk whose context is not cached) before anything is traced there, while rank
+    0 traces and runs its first; then both serve two steps. Per step: the error (type,
+    message, seconds) or the logits' error against the single-process model."""
+    import time
+
+    dp = dist.group.WORLD
+    rc = StepRunner(shard(build_model(CFG), Parallel(1, 0, None, 2, rank, dp, True)), max_model_len=256,
+                    backend=ReplayBackend(**OPTS, dp_group=dp))
+    ro = StepRunner(build_model(CFG), max_model_len=256)
+    steps = ([[R("a", 20, 20)], [R("a", 20, 20)], [R("a", 1, 21)]] if rank == 0 else
+             [[R("b", 1, 6)], [R("b", 5, 5)], [R("b", 1, 6)]])
+    out = []
+    for reqs in steps:
+        t0 = time.monotonic()
+        try:
+            out.append(max_abs_err(rc.step(reqs).logits, ro.step(reqs).logits))
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            out.append((type(e).__name__, str(e), time.monotonic() - t0))
+    return out
+
+
+def test_a_rank_that_fails_its_first_step_before_any_trace_makes_every_rank_raise_at_once():
+    rank0, rank1 = run_ranks(_fails_its_first_step, 2, timeout=300, collective_timeout=60)
+    assert rank1[0][0] == "ValueError" and "the cache holds 0 of its positions" in rank1[0][1], rank1[0]
+    assert rank0[0][0] == "RankFailed" and rank0[0][2] < 30, rank0[0]
+    assert max(rank0[1], rank0[2], rank1[1], rank1[2]) <= TOL, (rank0, rank1)
 
 
 def _other_layers(rank: int, world: int) -> None:

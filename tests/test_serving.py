@@ -187,6 +187,22 @@ def test_a_stale_batch_is_refused_by_the_compiled_model_itself():
             compiled(first.input_ids, first.positions)
 
 
+@pytest.mark.parametrize("mode", ["piecewise", "none"])
+def test_token_inputs_of_another_batch_than_the_contexts_are_refused_naming_both(mode):
+    """Inputs of 6 rows under the context of a 1-token batch: attention would write
+    that batch's one slot while the step reports 6 tokens."""
+    model, server, compiled = _served_llama(cudagraph_mode=mode)
+    server.step([RequestChunk("a", 10, 10), RequestChunk("b", 5, 5)])
+    big = compiled.build_batch([RequestChunk("a", 3, 13), RequestChunk("b", 3, 8)], [[1, 2, 3], [4, 5, 6]], [0, 1])
+    ids, pos = big.input_ids.clone(), big.positions.clone()
+    small = compiled.build_batch([RequestChunk("a", 1, 11)], [[5]], [0])
+    before = compiled.last_step
+    with pytest.raises(ValueError, match="the token inputs have 6 rows, the forward context's batch 1 tokens"):
+        with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(small)):
+            compiled(ids, pos)
+    assert compiled.last_step == before  # no step ran
+
+
 def test_a_context_reused_after_a_compiled_step_still_floors_the_uncompiled_model():
     """The natural oracle check: the compiled model and the eager one in one context.
     The compiled step leaves nothing behind that turns the eager model's floor off."""

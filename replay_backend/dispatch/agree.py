@@ -29,9 +29,12 @@ device collective would make the host wait for the device on every step.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("replay_backend")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,17 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, f
     no_graphs, tokens, trimmable, rows, no_full, failed_rank = offer.tolist()
     return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full,
                      int(failed_rank) - 1 if failed_rank else None)
+
+
+def tell_failed(group) -> None:
+    """Join this step's agreement over ``group`` as failed: every other rank raises
+    :class:`RankFailed` naming this one. A failure to tell (a peer gone too) is logged:
+    the caller raises its own error, the one to see."""
+    try:
+        agree(group, False, 0, False, 0, failed=True)
+    except Exception as e:  # noqa: BLE001
+        log.warning("dsv41_replay: telling the data-parallel ranks that this rank failed its step failed too: "
+                    "%s: %s", type(e).__name__, e)
 
 
 def check_no_rank_failed(agreement: Agreement) -> None:

@@ -7,7 +7,6 @@ token-count arguments are replaced by the padded size.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import Counter
 
 import torch
@@ -21,11 +20,10 @@ from ..capture.full import FullGraphs
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..parallel import check_same_plan
-from .agree import agree, check_no_rank_failed
+from .agree import agree, check_no_rank_failed, tell_failed
 from .direct import GraphCall
 from .trim_op import ReplayRuntime, pad_rows
 
-log = logging.getLogger("replay_backend")
 
 # Dynamo compiles per code object: two instances of one module class compiled by name
 # share the compiled code, so the second's calls reach the first's graphs, whose
@@ -120,7 +118,8 @@ class CompiledReplayModel:
         else:
             try:
                 ctx.batch.check_current()  # a batch whose metadata a later build overwrote
-            except RuntimeError as e:
+                self._check_rows(ctx.batch, args)
+            except (RuntimeError, ValueError) as e:
                 self.fail_step(e)
             ctx.compiled_step = True
             try:
@@ -145,6 +144,16 @@ class CompiledReplayModel:
         if self.calls is not None and self.calls.active:
             self.calls.record(self, args, out)
         return out
+
+    def _check_rows(self, batch, args) -> None:
+        """The token inputs hold the context's batch: attention and the trim op read
+        that batch's rows, so inputs of another step would run against its layout."""
+        if self.token_inputs and batch is not None:
+            t = args[self.token_inputs[0]].shape[0]
+            if t != batch.num_tokens:
+                raise ValueError(f"dsv41_replay: the token inputs have {t} rows, the forward context's batch "
+                                 f"{batch.num_tokens} tokens: call the model with that batch's input_ids and "
+                                 "positions under its own context")
 
     def decide(self, ctx, num_tokens: int) -> StepPlan:
         """The step's one decision (dispatch/decide.py), made before it runs, agreed with
@@ -188,11 +197,7 @@ class CompiledReplayModel:
         data-parallel ranks after telling them in the agreement, so that each raises
         too rather than wait in a collective of the step this rank will not join."""
         if self._agrees:
-            try:
-                agree(self.dp_group, False, 0, False, 0, failed=True)
-            except Exception as e:  # noqa: BLE001 - a peer gone too: this rank's error is the one to see
-                log.warning("dsv41_replay: telling the data-parallel ranks that this rank failed its step "
-                            "failed too: %s: %s", type(e).__name__, e)
+            tell_failed(self.dp_group)
         raise error
 
     def _step(self, ctx, args) -> tuple:

@@ -24,6 +24,7 @@ from ..forward_context import ForwardContext, set_forward_context
 from ..kv_cache import CacheLayout
 from .kv_caches import KVCaches
 from .batch_owner import check_runs_here
+from .blocks import RequestBlocks
 from .prompts import PromptTokens, schedule_prefill
 from . import attention_ops
 from . import attention_triton
@@ -61,9 +62,11 @@ class StepRunner:
     def __init__(self, model: DSv41Mini, *, max_num_seqs: int = 8, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 16384, forward: Callable | None = None,
                  backend=None, attention_wrapper_factory: Callable | None = None) -> None:
-        """``attention_wrapper_factory``: for ``attention_impl="flashinfer"``, what makes
-        the FlashInfer wrappers (attention_flashinfer.FlashInferAttention; the CPU tests
-        pass an emulation), by default FlashInfer's own."""
+        """``max_num_batched_tokens``: the most tokens of a step (with a backend, at most
+        the backend's own), prompts chunked to it. ``attention_wrapper_factory``: for
+        ``attention_impl="flashinfer"``, what makes the FlashInfer wrappers
+        (attention_flashinfer.FlashInferAttention; the CPU tests pass an emulation), by
+        default FlashInfer's own."""
         # Sizes first, before anything is allocated from them.
         check_size("StepRunner.max_num_batched_tokens", max_num_batched_tokens, hi=MAX_NUM_BATCHED_TOKENS,
                    why="a step's metadata and buffers are sized for its tokens")
@@ -84,7 +87,9 @@ class StepRunner:
             self.attention = FlashInferAttention(self.cfg, self.kv.swa[0].shape[0], max_num_seqs, rows,
                                                  max_model_len, self.device, self.dtype, attention_wrapper_factory,
                                                  strict=backend is not None and backend.config.strict)
-        self.max_num_batched_tokens = max_num_batched_tokens
+        # With a backend, a step over its own limit is refused too: schedule within both.
+        self.max_num_batched_tokens = min(max_num_batched_tokens, backend.config.max_num_batched_tokens) \
+            if backend is not None else max_num_batched_tokens
         prepare = self.attention.prepare if self.attention is not None else None
         self.setup = StepSetup(self.layout, self.cfg.window, self.kv, self.device, self.view_fields, prepare)
         # With a ReplayBackend the model is compiled through it (``forward``: a
@@ -98,67 +103,51 @@ class StepRunner:
             self.forward = self.compiled
         else:
             self.forward = forward if forward is not None else model
-        self._blocks: dict[Any, int] = {}
-        self._cached: dict[Any, int] = {}  # positions in cache per request, after its last step
+        self.blocks = RequestBlocks(self.layout)
         # capture()'s step that builds the attention's split variants, seconds (None: no
         # such step ran: no Triton, the split off, or no context long enough to split)
         self.split_warmup_s: float | None = None
 
     # ---- cache blocks --------------------------------------------------------------
     def block_of(self, req_id) -> int:
-        return self._claim_blocks([req_id])[0]
-
-    def _claim_blocks(self, req_ids: list) -> list[int]:
-        """Each request's cache block, new ones claimed only when all of them fit, so a
-        step that does not fit leaves every block as it was."""
-        new = [r for r in req_ids if r not in self._blocks]
-        if not new:  # a step of requests already running: no block search on its path
-            return [self._blocks[r] for r in req_ids]
-        free = sorted(set(range(self.layout.num_blocks)) - set(self._blocks.values()))
-        if len(new) > len(free):
-            raise RuntimeError(f"no free cache block for request {new[len(free)]!r}: the step needs "
-                               f"{len(new)} new blocks and {len(free)} of {self.layout.num_blocks} "
-                               "(max_num_seqs) are free")
-        self._blocks.update(zip(new, free))
-        return [self._blocks[r] for r in req_ids]
+        return self.blocks.claim([req_id])[0][0]
 
     @property
     def blocks_given(self) -> dict:
         """The cache block this runner gave each request it holds (read-only use)."""
-        return self._blocks
+        return self.blocks.given
 
     def free(self, req_id) -> None:
-        self._blocks.pop(req_id, None)
-        self._cached.pop(req_id, None)
+        self.blocks.free(req_id)
 
     def cached_len(self, req_id) -> int:
         """How many of the request's positions the cache holds (0 for an unknown request)."""
-        return self._cached.get(req_id, 0)
-
-    def _check_context(self, requests, built: bool = False) -> None:
-        """A chunk reads its request's earlier positions from the cache: they must be there.
-        ``built``: the requests of a batch built already, which a free() may have made stale."""
-        advice = ("(a stale batch: the request was freed since it was built?): run its earlier chunks first, then "
-                  "build it with this runner's build_batch") if built else \
-            ": run its earlier chunks first (prefill_context)"
-        for i, r in enumerate(requests):
-            held = self._cached.get(r.req_id, 0)
-            if r.context_len > held:
-                raise ValueError(f"request {i} (req_id={r.req_id!r}): its chunk starts at position {r.context_len}, "
-                                 f"but the cache holds {held} of its positions{' ' if built else ''}{advice}")
+        return self.blocks.cached_len(req_id)
 
     # ---- steps ---------------------------------------------------------------------
     @torch.inference_mode()
     def build_batch(self, requests: Iterable[RequestChunk]) -> StepBatch:
+        """The step of ``requests``, its new requests given cache blocks. A step refused
+        claims no block, and with a compiled model it fails the step: data-parallel
+        ranks raise ``RankFailed`` naming this one rather than wait for it."""
         requests = list(requests)
-        validate_requests(requests, self.layout, self.cfg.window, self.max_num_batched_tokens)
-        self._check_context(requests)
-        blocks = self._claim_blocks([r.req_id for r in requests])  # the last check: it claims blocks
+        try:
+            validate_requests(requests, self.layout, self.cfg.window, self.max_num_batched_tokens)
+            self.blocks.check_context(requests)
+            blocks, new = self.blocks.claim([r.req_id for r in requests])  # the last check: it claims blocks
+        except Exception as e:  # noqa: BLE001 - whatever refused it, this rank runs no step
+            if self.compiled is not None:
+                self.compiled.fail_step(e)
+            raise
         tokens = [self.tokens.for_step(r.req_id, r.context_len, r.seq_len) for r in requests]
-        if self.compiled is not None:  # as the compiled model serves it (its metadata buffer)
+        if self.compiled is None:
+            return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
+                                    self.max_num_batched_tokens, view_fields=self.view_fields, owner=self)
+        try:  # as the compiled model serves it (its metadata buffer); refused, it fails the step itself
             return self.compiled.build_batch(requests, tokens, blocks, self.max_num_batched_tokens, owner=self)
-        return build_step_batch(requests, tokens, blocks, self.layout, self.cfg.window, self.device,
-                                self.max_num_batched_tokens, view_fields=self.view_fields, owner=self)
+        except BaseException:
+            self.blocks.give_back(new)
+            raise
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, eager_replay: str = "off", forward: Callable | None = None,
@@ -171,7 +160,7 @@ class StepRunner:
         try:
             check_runs_here(self, batch)
             if not batch.pad_writes:  # and each request's context is in its block
-                self._check_context(batch.requests, built=True)
+                self.blocks.check_context(batch.requests, built=True)
         except ValueError as e:
             if fwd is self.compiled:  # data-parallel ranks raise naming this one, not wait for it
                 self.compiled.fail_step(e)
@@ -184,8 +173,7 @@ class StepRunner:
             hidden = fwd(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if not batch.pad_writes:  # the cache now holds each request's chunk, in its block (checked above)
-            for r in batch.requests:
-                self._cached[r.req_id] = r.seq_len
+            self.blocks.ran(batch.requests)
         return StepOutput(logits, batch, ctx.result, self._prompt_logprobs(batch, hidden))
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict:
