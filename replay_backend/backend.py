@@ -125,7 +125,8 @@ class ReplayBackend:
         the served steps' batches (``build_batch``). The other form, for a runner that
         drives its own dummy steps: ``capture(run_step, replay_view_for, metadata)``,
         ``run_step(n)`` runs one dummy step of ``n`` tokens through the compiled model
-        under the caller's forward context, ``replay_view_for(n)`` gives the view of
+        under the forward context of an ``n``-token batch (the caller's, around the
+        call, serves the replay graphs' capture), ``replay_view_for(n)`` gives the view of
         ``n`` dummy replay rows. Returns the per-runner capture summary;
         :meth:`start_serving` comes next."""
         return drive.capture(self, setup, replay_view_for, metadata)
@@ -145,8 +146,9 @@ class ReplayBackend:
         life.expect("start_serving", Phase.WARMING, Phase.CAPTURING_MAIN, Phase.CAPTURING_REPLAY, Phase.CAPTURED)
         if setup is not None:
             self.use(setup)
-        if self.config.full_graphs and life.phase is Phase.WARMING and self.compiled:
-            # FULL graphs exist only from capture(): pieces may still be captured in served steps.
+        if self.config.full_graphs and life.phase is Phase.WARMING and self.compiled and not self.model.full_resolved:
+            # FULL graphs exist only from capture(); after the memory estimate decided their
+            # sizes, the compiled model counts those missing itself.
             rest = "steps run in pieces where those are captured, else eagerly" if self.config.piecewise_graphs \
                 else "every step runs eagerly"
             self.model.res.fallback(Fallback.UNCAPTURED_SIZE, f"cudagraph_mode={self.config.cudagraph_mode!r}: "
@@ -190,11 +192,15 @@ class ReplayBackend:
         """A step for a data-parallel rank with no requests: a dummy step of one token
         (one uniform decode's under a uniform-only FULL policy; its KV writes to the pad
         slot), padded to the size the ranks agree on, so that the collectives inside the
-        other ranks' steps meet this rank's."""
-        if self.setup is None:
-            raise RuntimeError("dsv41_replay: idle_step() needs the model's StepSetup: pass it to capture() or "
-                               "start_serving()")
-        model = self.learned_model("idle_step")
+        other ranks' steps meet this rank's. Refused (no setup, no step traced yet), it
+        fails the step on every rank (:meth:`fail_step`)."""
+        try:
+            if self.setup is None:
+                raise RuntimeError("dsv41_replay: idle_step() needs the model's StepSetup: pass it to capture() or "
+                                   "start_serving()")
+            model = self.learned_model("idle_step")
+        except RuntimeError as e:
+            self.fail_step(e)
         policy = model.full_policy
         tokens, batch = 1, {}
         if policy is not None and self.lifecycle.serving:
@@ -210,9 +216,9 @@ class ReplayBackend:
         other ranks raise ``RankFailed`` naming it rather than wait for it in the step's
         collectives. Without data-parallel ranks it only raises ``error``."""
         if self.compiled:
-            self.model.fail_step(error)
+            self.model.fail_step(error)  # raises, after telling the ranks where its steps agree
         if self.dp_group is not None:  # nothing traced yet: the others' first step agrees all the same
-            tell_failed(self.dp_group)
+            tell_failed(self.dp_group, error)
         raise error
 
     @property

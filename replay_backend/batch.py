@@ -290,14 +290,29 @@ def _per_row(qsl: list[int], values: list[int]) -> torch.Tensor:
 
 
 def _token_ids(token_ids) -> torch.Tensor:
-    """The requests' token ids, in order, as one int64 host tensor: lists of ints in one
-    conversion, else a tensor per request."""
-    if all(isinstance(toks, (list, tuple)) for toks in token_ids):
-        try:
-            return int64_tensor(list(itertools.chain.from_iterable(token_ids)))
-        except (TypeError, OverflowError) as e:
-            raise ValueError(f"token ids must be int64 integers: {e}") from None
-    return torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_ids])
+    """The requests' token ids, in order, as one int64 host tensor: each run of
+    requests whose ids are lists in one conversion (decodes beside a prompt's chunk:
+    one for the decodes), tensors as they are (checked 1-D integer already)."""
+    parts: list[torch.Tensor] = []
+    run: list = []
+    for toks in token_ids:
+        if isinstance(toks, torch.Tensor):
+            if run:
+                parts.append(_ints(run))
+                run = []
+            parts.append(toks.to(torch.int64))
+        else:
+            run.extend(toks)
+    if run:
+        parts.append(_ints(run))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _ints(values: list) -> torch.Tensor:
+    try:
+        return int64_tensor(values)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"token ids must be int64 integers: {e}") from None
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

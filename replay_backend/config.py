@@ -220,10 +220,11 @@ class ReplayConfig:
                 and max(self.cudagraph_capture_sizes) > self.max_cudagraph_capture_size):
             bad("cudagraph_capture_sizes", f"size {max(self.cudagraph_capture_sizes)} exceeds "
                 f"max_cudagraph_capture_size={self.max_cudagraph_capture_size}")
-        if self.cudagraph_mode == "full_decode_only" and self.max_capture_size < self.uniform_decode_query_len:
+        largest = max(self.capture_sizes(), default=0)
+        if self.cudagraph_mode == "full_decode_only" and largest < self.uniform_decode_query_len:
             bad("uniform_decode_query_len", f"{self.uniform_decode_query_len} tokens: under cudagraph_mode="
                 f"'full_decode_only' a uniform decode of one request needs a capture size that holds it, and the "
-                f"largest is {self.max_capture_size} (cudagraph_capture_sizes / max_cudagraph_capture_size)")
+                f"largest is {largest} (cudagraph_capture_sizes / max_cudagraph_capture_size)")
         if self.debug_dump_path is not None:
             path = self.debug_dump_path
             if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):

@@ -317,8 +317,8 @@ def test_replay_rows_above_largest_size_run_eagerly(shared, make, rows):
 
 def test_fixed_buffers_are_reused(shared):
     m = shared.be.model
-    assert sorted(m.buffers) == sorted(m.token_inputs) and len(m.token_inputs) == 2
-    ptrs = {i: b.data_ptr() for i, b in m.buffers.items()}
+    assert sorted(m.inputs.buffers) == sorted(m.token_inputs) and len(m.token_inputs) == 2
+    ptrs = {i: b.data_ptr() for i, b in m.inputs.buffers.items()}
     first = m.runners("main")[0]
     graph = first.graphs[40]
     rfirst = m.runners("replay")[0]
@@ -329,7 +329,7 @@ def test_fixed_buffers_are_reused(shared):
     for make in (lambda: [R("p", 40, 40)], lambda: [R("q", 35, 35), R("d", 1, 12)],
                  lambda: [R("p", 50, 50), R("d", 1, 20)], lambda: [R("p", 40, 40), R("q", 16, 16)]):
         compare(shared, make())
-    assert {i: b.data_ptr() for i, b in m.buffers.items()} == ptrs
+    assert {i: b.data_ptr() for i, b in m.inputs.buffers.items()} == ptrs
     assert first.graphs[40] is graph and rfirst.graphs[32] is rgraph  # no re-capture
     assert graph.replays == replays + 2 and rgraph.replays == rreplays + 2
     # the captured graphs read slices of the persistent buffers
@@ -346,7 +346,7 @@ def test_stale_main_rows_do_not_leak(shared):
     out = compare(shared, [R("q", 30, 30), R("d", 1, 10), R("e", 2, 2)])  # 33 rows, same size 40
     assert out.step.padded_tokens == 40 and not out.trim.trimmed
     # the 7 pad rows were reset, not left over from the 40-token step
-    assert (m.buffers[ids][33:40] == 0).all()
+    assert (m.inputs.buffers[ids][33:40] == 0).all()
 
 
 def test_padded_rows_are_zero_after_longer_and_shorter_steps(shared):
@@ -359,9 +359,9 @@ def test_padded_rows_are_zero_after_longer_and_shorter_steps(shared):
         tp = out.step.padded_tokens
         assert out.step.kind == "piecewise" and tp >= n
         real = sorted(tuple(x.tolist()) for x in (out.batch.input_ids, out.batch.positions))
-        assert sorted(tuple(m.buffers[i][:n].tolist()) for i in m.token_inputs) == real
+        assert sorted(tuple(m.inputs.buffers[i][:n].tolist()) for i in m.token_inputs) == real
         for i in m.token_inputs:
-            assert not m.buffers[i][n:tp].any(), (n, tp, i)
+            assert not m.inputs.buffers[i][n:tp].any(), (n, tp, i)
 
 
 def test_stale_replay_rows_do_not_leak(shared):

@@ -148,7 +148,8 @@ def test_each_rows_position_slot_and_token_are_its_own_requests(qlens, pad_write
             want_pos.append(p)
             want_slots.append(layout.pad_slot if pad_writes else b * layout.max_model_len + p)
         want_ids += toks
-    for given in (ids, [torch.tensor(t, dtype=torch.int32) for t in ids], [ids[0], *map(torch.tensor, ids[1:])]):
+    mixed = [torch.tensor(t) if i % 2 else t for i, t in enumerate(ids)]
+    for given in (ids, [torch.tensor(t, dtype=torch.int32) for t in ids], [ids[0], *map(torch.tensor, ids[1:])], mixed):
         b = build_step_batch(reqs, given, blocks, layout, 16, "cpu", pad_writes=pad_writes)
         assert _list(b.positions) == want_pos and _list(b.view.slot_mapping) == want_slots
         assert _list(b.input_ids) == want_ids
@@ -157,7 +158,9 @@ def test_each_rows_position_slot_and_token_are_its_own_requests(qlens, pad_write
 @pytest.mark.parametrize("ids,match", [([[1.5], [2]], "token ids must be int64 integers"),
                                        ([torch.tensor([1.0]), [2]], "token_ids\\[0\\] is a 1-D torch.float32 tensor"),
                                        ([torch.tensor([[1]]), [2]], "token_ids\\[0\\] is a 2-D torch.int64 tensor"),
-                                       ([[2**63], [2]], "token ids must be int64 integers")])
+                                       ([[2**63], [2]], "token ids must be int64 integers"),
+                                       ([[1.5], torch.tensor([2])], "token ids must be int64 integers"),
+                                       ([torch.tensor([2]), [[1]]], "token ids must be int64 integers")])
 def test_token_ids_that_are_not_integers_are_refused(ids, match):
     with pytest.raises(ValueError, match=match):
         build_step_batch([R("a", 1, 3), R("b", 1, 3)], ids, [0, 1], LAYOUT, 16, "cpu")

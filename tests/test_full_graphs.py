@@ -457,6 +457,17 @@ def test_full_runs_steps_below_the_threshold_full_and_a_trimming_step_eagerly(mo
         same_step(got, want, rc, ro)
 
 
+def test_a_uniform_decode_policy_that_no_full_size_holds_is_a_counted_fallback():
+    """Attention that runs only uniform decodes inside a FULL graph, of more tokens than
+    any capture size: no FULL graph, said with the reason, and steps run in pieces."""
+    with counters.expect(strict=False, fallbacks={"cudagraph_mode": 2}):  # the downgrade, then no size
+        server, summary, oracle = toy_served("uniform", cudagraph_mode="full_and_piecewise",
+                                             uniform_decode_query_len=40)
+    assert "full" not in summary and server.compiled.backend.model.full_policy is None
+    result, err = toy_step(server, oracle, [R("a", 5, 5)])
+    assert result.kind is PIECEWISE and err <= 1e-5
+
+
 def test_uniform_decodes_longer_than_the_window_are_captured_and_served_full(model):
     """uniform_decode_query_len above W (16): capture's dummy decodes are that long too
     (a FULL step never trims), and such a decode, whose replay floor lies inside its
@@ -596,6 +607,8 @@ def test_each_mode_says_which_graphs_it_captures(mode, full, pieces):
     # no capture size holds one uniform decode request
     ({"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [1, 2], "uniform_decode_query_len": 3},
      "uniform_decode_query_len"),
+    ({"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [1, 2], "max_cudagraph_capture_size": 8,
+      "uniform_decode_query_len": 3}, "uniform_decode_query_len"),
 ])
 def test_a_bad_mode_or_uniform_decode_query_len_is_refused_naming_it(options, key):
     with pytest.raises(ValueError, match=f"option {key}"):

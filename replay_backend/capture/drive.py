@@ -96,12 +96,9 @@ def why_no_graphs(be) -> str:
     model, cfg = be.model, be.config
     if not model.token_inputs:
         return "the model step was traced without a dynamic token count"
-    if not cfg.piecewise_graphs:  # FULL graphs alone
-        if model.full_policy is None:
-            return (f"cudagraph_mode={cfg.cudagraph_mode!r} takes FULL graphs alone, and none was possible (the "
-                    "cudagraph_mode fallback says why)")
-        return (f"cudagraph_mode={cfg.cudagraph_mode!r} takes FULL graphs alone, and no served batch pads to any "
-                f"of the FULL sizes {list(model.full_policy.sizes)}")
+    if not cfg.piecewise_graphs:  # FULL graphs alone; a policy with sizes captures them all
+        return (f"cudagraph_mode={cfg.cudagraph_mode!r} takes FULL graphs alone, and none was possible (the "
+                "cudagraph_mode fallback says why)")
     if not model.main_level.sizes:
         return f"no main graph size (the plan: {model.plan.replay_off_reason or 'main graphs refused'})"
     return "every piece ran eagerly"

@@ -130,10 +130,14 @@ def full_capture_step(model, setup, metadata, policy) -> Callable[[int], None] |
     if policy is None:
         return None
     shapes = policy.dummy_shapes(setup.layout.num_blocks)
-    policy = dataclasses.replace(policy, sizes=tuple(shapes), rows=max(shapes)) if shapes else None
-    model.use_full_policy(policy)
-    if policy is None:
+    if not shapes:
+        model.res.fallback(Fallback.CUDAGRAPH_MODE, f"no FULL size {list(policy.sizes)} holds a batch of uniform "
+                           f"decodes of {policy.uniform_len} tokens, so no step runs as a FULL graph (the sizes "
+                           "stop below the trim threshold and at max_num_seqs such decodes)")
+        model.use_full_policy(None)
         return None
+    policy = dataclasses.replace(policy, sizes=tuple(shapes), rows=max(shapes))
+    model.use_full_policy(policy)
 
     def run(n: int) -> None:
         tokens, per_request = shapes[n]

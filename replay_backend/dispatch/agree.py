@@ -67,10 +67,22 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, f
                      int(failed_rank) - 1 if failed_rank else None)
 
 
-def tell_failed(group) -> None:
-    """Join this step's agreement over ``group`` as failed: every other rank raises
-    :class:`RankFailed` naming this one. A failure to tell (a peer gone too) is logged:
-    the caller raises its own error, the one to see."""
+# Set on an error once this rank joined its step's agreement as failed: a caller that
+# reports an error the backend already reported (a build_batch refusal caught by a
+# server's own fail_step) must not join the next step's agreement with it.
+_TOLD = "_dsv41_replay_step_failed"
+
+
+def tell_failed(group, error: BaseException) -> None:
+    """Join this step's agreement over ``group`` as failed, once per ``error``: every
+    other rank raises :class:`RankFailed` naming this one. A failure to tell (a peer
+    gone too) is logged: the caller raises its own error, the one to see."""
+    if getattr(error, _TOLD, False):
+        return
+    try:
+        setattr(error, _TOLD, True)
+    except AttributeError:  # an exception type without a __dict__: told, unmarked
+        pass
     try:
         agree(group, False, 0, False, 0, failed=True)
     except Exception as e:  # noqa: BLE001

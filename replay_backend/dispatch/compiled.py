@@ -22,7 +22,8 @@ from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..parallel import check_same_plan
 from .agree import agree, check_no_rank_failed, tell_failed
 from .direct import GraphCall
-from .trim_op import ReplayRuntime, pad_rows
+from .step_inputs import StepInputs
+from .trim_op import ReplayRuntime
 
 
 # Dynamo compiles per code object: two instances of one module class compiled by name
@@ -56,13 +57,7 @@ class CompiledReplayModel:
         self.full_policy = None
         self.full_resolved = False  # the policy was decided (a downgrade is counted once)
         self.output_row_bytes = 0  # the step's outputs per token row, measured with the memory estimate
-        self.buffers: dict[int, torch.Tensor] = {}
-        self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
-        # 0-dim tensor arguments other than parameters: Python numbers Dynamo passes as
-        # fresh tensors on every call (``dynamic=True``), copied into fixed ones per
-        # graphed step, since captured pieces read fixed addresses. Found on the first call.
-        self.scalar_inputs: tuple[int, ...] = ()
-        self.scalars: dict[int, torch.Tensor] = {}
+        self.inputs = StepInputs(token_inputs, sym_inputs)  # the fixed buffers graphed steps read
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).
@@ -106,8 +101,7 @@ class CompiledReplayModel:
         call = self.graph_call
         if call is None:
             call = self.graph_call = GraphCall.of(self, args)
-            self.scalar_inputs = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-                                       and a.dim() == 0 and not isinstance(a, torch.nn.Parameter))
+            self.inputs.find_scalars(args)
         elif call.anchor is not None and args[call.anchor] is not call.template[call.anchor]:
             raise RuntimeError(ANOTHER_INSTANCE)
         # Attention and the trim op read the step from its context: without one, say so
@@ -197,7 +191,7 @@ class CompiledReplayModel:
         data-parallel ranks after telling them in the agreement, so that each raises
         too rather than wait in a collective of the step this rank will not join."""
         if self._agrees:
-            tell_failed(self.dp_group)
+            tell_failed(self.dp_group, error)
         raise error
 
     def _step(self, ctx, args) -> tuple:
@@ -245,47 +239,12 @@ class CompiledReplayModel:
             return self.split_gm(*new)
 
     def _padded(self, args, t: int, tp: int) -> list:
-        """The step's arguments with its token inputs in the fixed buffers, padded to
-        ``tp`` rows, and its fixed scalars."""
-        new = list(args)
-        for i in self.token_inputs:
-            x = args[i]
-            if x.shape[0] != t:
-                raise ValueError(f"input {i} has {x.shape[0]} rows, expected the token count {t}")
-            buf = self.buffers.get(i)
-            if buf is None:
-                most = max((*self.main_level.sizes, *self.full_sizes))
-                buf = self.buffers[i] = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
-                self._written[i] = 0
-            buf[:t].copy_(x)
-            # Padded rows must be zero (token 0 at position 0, whose writes go to the pad
-            # slot). Rows from ``_written`` on are zero already, so only rows that an
-            # earlier, longer step wrote are cleared: none in a run of equal steps.
-            written = self._written[i]
-            if written > t:
-                buf[t:min(tp, written)].zero_()
-            self._written[i] = written if written > tp else t
-            new[i] = buf[:tp]
-        for i in self.sym_inputs:
-            new[i] = tp
-        for i in self.scalar_inputs:
-            fixed = self.scalars.get(i)
-            if fixed is None:
-                fixed = self.scalars[i] = args[i].clone()
-            else:
-                fixed.copy_(args[i])
-            new[i] = fixed
-        return new
+        """The step's arguments in the fixed buffers, padded to ``tp`` rows."""
+        return self.inputs.padded(args, t, tp, max((*self.main_level.sizes, *self.full_sizes)))
 
     def _eager_padded(self, args, t: int, tp: int) -> tuple:
-        """A step without graphs on ``tp`` rows, ``t`` of them real: zero rows appended (token
-        0 at position 0, whose writes go to the pad slot, as graphs pad)."""
-        new = list(args)
-        for i in self.token_inputs:
-            new[i] = pad_rows(args[i], tp)
-        for i in self.sym_inputs:
-            new[i] = tp
-        out = self.split_gm(*new)
+        """A step without graphs on ``tp`` rows, ``t`` of them real."""
+        out = self.split_gm(*self.inputs.eager_padded(args, tp))
         return tuple(o[:t] if isinstance(o, torch.Tensor) else o for o in out)
 
     # ---- capture --------------------------------------------------------------------
