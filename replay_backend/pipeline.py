@@ -78,6 +78,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     cache = cache if cache is not None else PieceCache()
     before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
     traced = _traced(gm, example_inputs, cfg)
+    numbers = compat_dynamo.number_inputs(gm)
     if not traced.token_inputs and (marked_window(gm) is not None or declared_in(gm, OpRole.ATTENTION)):
         raise ValueError(STATIC_TRACE)
     res = GraphResources(use_cuda=traced.use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses,
@@ -109,7 +110,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
     return CompiledReplayModel(split, cfg, plan, main_level, parts.runtime if parts else None, traced.token_inputs,
                                traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir,
-                               dp_group=dp_group, full_sizes=full_sizes)
+                               dp_group=dp_group, full_sizes=full_sizes, number_inputs=numbers)
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:

@@ -203,6 +203,82 @@ def test_token_inputs_of_another_batch_than_the_contexts_are_refused_naming_both
     assert compiled.last_step == before  # no step ran
 
 
+class CountingLlama(LlamaSWA):
+    """A model with a 0-dim buffer it updates in place every step, which its output
+    reads: a step counter."""
+
+    def __init__(self) -> None:
+        super().__init__(window=W)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, input_ids, positions):
+        self.steps.add_(1)
+        (x,) = super().forward(input_ids, positions)
+        return (x + 0.01 * self.steps,)
+
+
+def test_a_zero_dim_buffer_updated_in_place_is_updated_by_every_graphed_step():
+    """A 0-dim buffer is not a Python number Dynamo passes afresh: a graphed step must
+    update the buffer itself, not a per-step copy of it."""
+    model = CountingLlama().eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS)
+    server = LlamaServer(model, compiled)
+    server.serve()
+    oracle = LlamaServer(CountingLlama().eval())
+    oracle.model.load_state_dict(model.state_dict())
+    kinds = set()
+    for step in ([RequestChunk("a", 20, 20)], [RequestChunk("a", 1, 21)], [RequestChunk("b", 100, 100)],
+                 [RequestChunk("a", 3, 24), RequestChunk("b", 1, 101)]):
+        got, result = server.step(step)
+        want, _ = oracle.step(step)
+        kinds.add(result.kind)
+        assert model.steps.item() == oracle.model.steps.item()
+        assert max_abs_err(got, want) <= 1e-5, (step, result)
+    assert kinds == {replay_backend.StepKind.PIECEWISE, replay_backend.StepKind.EAGER}
+
+
+class ScaledLlama(CountingLlama):
+    """A step counter, and a Python number argument the output reads."""
+
+    def forward(self, input_ids, positions, scale: float):
+        (x,) = super().forward(input_ids, positions)
+        return (x * scale,)
+
+
+def test_python_numbers_plain_torch_compile_passes_as_tensors_are_fresh_every_graphed_step():
+    """Under plain ``torch.compile(dynamic=True)`` a float argument reaches the graph
+    as a fresh 0-dim tensor per call: each graphed step reads its own value, while the
+    model's 0-dim buffer is still updated in place."""
+    model, oracle = ScaledLlama().eval(), ScaledLlama().eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server, eager = LlamaServer(model), LlamaServer(oracle)
+    serving = []
+
+    def step(fn, requests, scale):
+        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in requests]
+        tokens = [server.tokens(r) for r in requests]
+        on = server if fn is compiled else eager
+        be = replay_backend.backend_of(compiled) if fn is compiled and serving else None
+        batch = (be.build_batch(requests, tokens, blocks) if be is not None else
+                 replay_backend.build_step_batch(requests, tokens, blocks, server.layout, W, "cpu"))
+        with torch.no_grad(), replay_backend.set_forward_context(on.setup.context(batch)):
+            (hidden,) = fn(batch.input_ids, batch.positions, scale)
+        return hidden[batch.logits_indices], (be.last_step if be is not None else None)
+
+    step(compiled, [RequestChunk("w", 9, 9)], 1.0)  # the trace
+    be = replay_backend.backend_of(compiled)
+    be.capture(server.setup)
+    be.start_serving()
+    serving.append(True)
+    oracle.load_state_dict(model.state_dict())
+    for k, (requests, scale) in enumerate([([RequestChunk("a", 20, 20)], 0.5), ([RequestChunk("a", 1, 21)], 2.0),
+                                           ([RequestChunk("a", 1, 22)], 3.0)]):
+        got, result = step(compiled, requests, scale)
+        want, _ = step(oracle, requests, scale)
+        assert result.kind is replay_backend.StepKind.PIECEWISE, result
+        assert model.steps.item() == oracle.steps.item() and max_abs_err(got, want) <= 1e-5, (k, result)
+
+
 def test_a_context_reused_after_a_compiled_step_still_floors_the_uncompiled_model():
     """The natural oracle check: the compiled model and the eager one in one context.
     The compiled step leaves nothing behind that turns the eager model's floor off."""

@@ -92,6 +92,21 @@ def _is_constant(s: torch.SymInt) -> bool:
         return False
 
 
+def number_inputs(gm) -> tuple[int, ...] | None:
+    """The positions of ``gm``'s inputs that are Python numbers Dynamo passes as fresh
+    0-dim tensors on every call, as its graph arguments record them
+    (``GraphArg.pass_arg_as_tensor``); None where the graph does not record it (not
+    traced by Dynamo, or a torch whose records differ)."""
+    out = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        flag = getattr(node.meta.get("grapharg"), "pass_arg_as_tensor", None)
+        if not isinstance(flag, bool):
+            return None
+        if flag:
+            out.append(i)
+    return tuple(out)
+
+
 def is_symint(x) -> bool:
     return isinstance(x, torch.SymInt) and not _is_constant(x)
 

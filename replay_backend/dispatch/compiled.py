@@ -41,7 +41,8 @@ class CompiledReplayModel:
     def __init__(self, split_gm: fx.GraphModule, cfg: ReplayConfig, plan, main_level: GraphLevel,
                  replay: ReplayRuntime | None, token_inputs: list[int], sym_inputs: list[int],
                  res: GraphResources, calls=None, sources=None, dump_dir: str | None = None,
-                 dp_group=None, full_sizes: list[int] | None = None) -> None:
+                 dp_group=None, full_sizes: list[int] | None = None,
+                 number_inputs: tuple[int, ...] | None = None) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
         self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
@@ -57,7 +58,7 @@ class CompiledReplayModel:
         self.full_policy = None
         self.full_resolved = False  # the policy was decided (a downgrade is counted once)
         self.output_row_bytes = 0  # the step's outputs per token row, measured with the memory estimate
-        self.inputs = StepInputs(token_inputs, sym_inputs)  # the fixed buffers graphed steps read
+        self.inputs = StepInputs(token_inputs, sym_inputs, number_inputs)  # the fixed buffers graphed steps read
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).

@@ -12,21 +12,27 @@ from .trim_op import pad_rows
 class StepInputs:
     """The fixed buffers of one compiled model's step arguments. ``token_inputs``: the
     arguments whose first dimension is the token count; ``sym_inputs``: the token count
-    itself."""
+    itself; ``number_inputs``: the Python numbers Dynamo passes as fresh 0-dim tensors
+    (compat.dynamo.number_inputs; None: not known from the trace)."""
 
-    def __init__(self, token_inputs: list[int], sym_inputs: list[int]) -> None:
+    def __init__(self, token_inputs: list[int], sym_inputs: list[int],
+                 number_inputs: tuple[int, ...] | None = None) -> None:
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
-        # 0-dim tensor arguments other than parameters: Python numbers Dynamo passes as
-        # fresh tensors on every call (``dynamic=True``), copied into fixed ones per
-        # graphed step. Found on the first call.
+        # Python numbers as fresh 0-dim tensors on every call, copied into fixed ones per
+        # graphed step. Never a model's own 0-dim buffer: a step that updates it in place
+        # (a step counter) must update the buffer itself, not a copy.
+        self.numbers = number_inputs
         self.scalar_inputs: tuple[int, ...] = ()
         self.scalars: dict[int, torch.Tensor] = {}
 
     def find_scalars(self, args) -> None:
-        self.scalar_inputs = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-                                   and a.dim() == 0 and not isinstance(a, torch.nn.Parameter))
+        """The 0-dim tensor arguments copied per step, from the first call's: the trace's
+        numbers, or where the trace does not say, every 0-dim tensor but a parameter."""
+        known = self.numbers
+        self.scalar_inputs = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
+                                   and (i in known if known is not None else not isinstance(a, torch.nn.Parameter)))
 
     def padded(self, args, t: int, tp: int, most: int) -> list:
         """``args`` with the token inputs (``t`` rows) in their buffers of ``most`` rows,
