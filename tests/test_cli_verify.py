@@ -32,6 +32,16 @@ def test_verify_json_on_the_default_model(capsys):
     assert out["max_abs_err_logits"] <= out["tolerance"] and out["max_abs_err_kv"] <= out["tolerance"]
 
 
+@pytest.mark.parametrize("batch", ["d:1/20", "p:1"])
+def test_verify_a_lone_one_token_step(batch, capsys):
+    """A runner's first step of one token: the compiled model traces on a dummy step of
+    W tokens first, so the one graph holds for every count."""
+    code = cli.main(["verify", "--batch", batch, "--json", "--option", "compiler=eager",
+                     "--option", "cudagraph_capture_sizes=8,64"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["ok"] is True and (out["num_tokens"], out["step_kind"]) == (1, "piecewise"), out
+
+
 def test_verify_exit_code_follows_the_comparison(monkeypatch, capsys):
     bad = VerifyResult(False, 3, 4, "piecewise", False, 3, 4, True, 0.5, 0.0, 1e-3)
     monkeypatch.setattr(cli, "verify_step", lambda *a, **k: bad)

@@ -165,6 +165,8 @@ class StepRunner:
             if fwd is self.compiled:  # data-parallel ranks raise naming this one, not wait for it
                 self.compiled.fail_step(e)
             raise
+        if fwd is self.compiled and not self.backend.has_run and not batch.pad_writes and self.backend.dp_group is None:
+            self._trace()
         if fwd is not self.compiled:
             batch.check_current()  # the compiled model checks it itself
         in_region = fwd is self.compiled and self.backend.replays_in_region
@@ -241,11 +243,18 @@ class StepRunner:
     def _compiled_for_capture(self) -> ReplayCompiled:
         if self.compiled is None:
             raise RuntimeError("graphs need a StepRunner built with backend=ReplayBackend(...)")
-        if not self.backend.has_run:
-            # Trace and compile on a step that captures nothing: graphs come from
-            # capture(), in its order (main then replay, largest first).
-            self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
+        if not self.backend.has_run:  # graphs come from capture(), in its order
+            self._trace()
         return self.compiled
+
+    def _trace(self) -> None:
+        """The compiled model's one trace and compile, on a dummy step of W tokens that
+        captures nothing, before the runner's first step of its own: traced on one
+        token, the reference model's grouped output projection (a batched matmul of
+        transposed rows) leaves Dynamo a guard that holds at one token only. Not with
+        data-parallel ranks, whose every step is agreed: a rank that failed its first
+        step would trace on the next while the others did not, one agreement apart."""
+        self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
 
     def plan_batch(self, batch: StepBatch, in_region: bool) -> None:
         """The attention's host-side plans of ``batch``'s whole view (FlashInfer's; none
