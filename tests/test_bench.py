@@ -485,3 +485,13 @@ def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys
         assert set(r["mixed_ms"]) == {"24"} and set(r["ttft_ms"]) == {"64"}
         assert max(r["max_abs_err_vs_first"].values()) < 1e-4
     assert "| 40/2 |" in capsys.readouterr().out
+
+
+def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):
+    """Its last layer a KV source: no replay layer, no region, nothing to time per trim."""
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
+                   "kv_source_layer_ids=3", "--isl", "32", "--runs", "1", "--warmup", "0", "--modes", "replay",
+                   "--settings", "default", "--option", "compiler=eager", "--max-num-batched-tokens", "64",
+                   "--json", str(out)])
+    assert rc == 0 and out.exists()

@@ -142,6 +142,8 @@ USAGE_ERRORS = [
     (["verify", "--batch", "p:3", "--option", "cudagraph_capture_sizes=8.0,16"],
      r"option cudagraph_capture_sizes: size must be an integer, got float 8.0"),
     (["verify", "--batch", "p:3", "--option", "max_num_seqs=NaN"], r"option max_num_seqs: must be an integer"),
+    (["bench", "--preset", "tiny", "--option", "decoder_replay_trim_threshold=64"],
+     r"option decoder_replay_trim_threshold: 64 must exceed the sliding window W=128"),
     (["inspect", "--option", "compiler=fast"], r"option compiler: must be one of"),
     (["bench", "--option", "cudagraph_mode=none"], r"--option cudagraph_mode: set by the bench's modes"),
     (["bench", "--option", "no_such_key=1"], r"unknown dsv41_replay option\(s\) \['no_such_key'\]"),

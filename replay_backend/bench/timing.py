@@ -186,7 +186,8 @@ def measure_point(modes: list[TimedMode], isl: int, conc: int, args, trim_host_u
     if last_warm:  # a run cut short inside a long point still says how long a run takes
         print(f"{point} warm-up: " + ", ".join(f"{m.run.mode}/{m.run.setting} {last_warm[id(m)]:.1f} ms"
                                                for m in modes), flush=True)
-    reps = {id(m): m.runner.backend.model.replay for m in modes if m.run.mode == "replay"}
+    reps = {id(m): m.runner.backend.model.replay for m in modes
+            if m.run.mode == "replay" and m.runner.backend.model.replay is not None}
     for rep in reps.values():
         rep.host_us.clear()  # the trimming steps of the timed runs only
     times: dict[int, list[float]] = {id(m): [] for m in modes}

@@ -65,7 +65,9 @@ def _check_bench(args) -> None:
     for mode in args.modes:
         if mode in bench.MODE_OPTIONS:
             for setting in args.settings:
-                bench._backend_config(mode, setting, args)
+                config = bench._backend_config(mode, setting, args)
+                if config.decoder_replay:  # as the first trace would, after minutes of building
+                    config.check_window(cfg.window)
     longest = max(max(args.isl), cfg.window) + 2
     cli_args.check_layout(longest, max(args.conc), f"--isl {max(args.isl)} --conc {max(args.conc)} (caches of "
                   f"max(ISL, W) + 2 = {longest} positions per sequence)")
