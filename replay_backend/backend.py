@@ -325,6 +325,8 @@ def backend_of(compiled) -> ReplayBackend:
     (or given one): its plan, capture and start of serving."""
     if isinstance(compiled, ReplayBackend):
         return compiled
+    if isinstance(getattr(compiled, "backend", None), ReplayBackend):  # replay_backend.compile's, a StepRunner
+        return compiled.backend
     state = compat_dynamo.compile_call_state_of(compiled)
     if state is None:
         raise ValueError("backend_of: no dsv41_replay backend state behind this object: compile a module with "

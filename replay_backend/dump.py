@@ -153,8 +153,12 @@ def _write_index(compiled, path: str, arts: list[Artifact]) -> None:
 
 
 def dump_compiled(compiled, path: str) -> list[str]:
-    """Write the dump of ``compiled`` under ``path`` (see the module docstring); later
-    captures update its capture.json. Returns the files written, relative to ``path``."""
+    """Write the dump of ``compiled`` (anything ``plan_of`` takes but a plan) under
+    ``path`` (see the module docstring); later captures update its capture.json.
+    Returns the files written, relative to ``path``."""
+    from .plan import compiled_model_of
+
+    compiled = compiled_model_of(compiled)
     os.makedirs(path, exist_ok=True)
     arts = artifacts(compiled)
     if compiled.capture_summary:

@@ -145,25 +145,31 @@ def runner_stats(compiled) -> dict[str, RunnerStats]:
 def plan_of(obj) -> SplitPlan:
     """The split plan of the last graph compiled for ``obj``, with its runners' state.
 
-    ``obj``: a SplitPlan, a CompiledReplayModel, a ReplayBackend, a StepRunner built with
-    ``backend=``, or what ``torch.compile(..., backend="dsv41_replay")`` returned (found
-    through Dynamo's cache; run it once first). Never re-traces."""
+    ``obj``: a SplitPlan, or anything :func:`compiled_model_of` takes. Never re-traces."""
+    if isinstance(obj, SplitPlan):
+        return obj
+    return compiled_model_of(obj).plan_snapshot()
+
+
+def compiled_model_of(obj):
+    """The last graph compiled for ``obj`` (a ``CompiledReplayModel``): ``obj`` is one,
+    a ReplayBackend, a StepRunner built with ``backend=``, what ``replay_backend.compile``
+    returned, or what ``torch.compile(..., backend="dsv41_replay")`` returned (found
+    through Dynamo's cache; run it once first)."""
     from .backend import ReplayBackend
     from .compat import dynamo as compat_dynamo
     from .dispatch.compiled import CompiledReplayModel
 
-    if isinstance(obj, SplitPlan):
-        return obj
     if isinstance(obj, CompiledReplayModel):
-        return obj.plan_snapshot()
+        return obj
     if isinstance(obj, ReplayBackend):
-        return obj.model.plan_snapshot()
+        return obj.model
     backend = getattr(obj, "backend", None)
     if isinstance(backend, ReplayBackend):  # StepRunner(backend=...), ReplayCompiled
-        return plan_of(backend)
+        return backend.model
     for fn in compat_dynamo.compiled_callables(obj):
         if isinstance(fn, CompiledReplayModel):
-            return fn.plan_snapshot()
+            return fn
     raise TypeError(
         f"no dsv41_replay compiled model found in {type(obj).__name__}: pass a ReplayBackend, a "
         "StepRunner built with backend=, a CompiledReplayModel, or a torch.compile(..., "

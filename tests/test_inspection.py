@@ -201,6 +201,27 @@ def test_dump_after_the_fact_says_what_it_lacks(tmp_path):
     torch._dynamo.reset()
 
 
+def test_dump_and_backend_of_take_what_a_user_holds(tmp_path):
+    """dump_compiled and backend_of on replay_backend.compile's result, a backend and a
+    StepRunner, as plan_of takes them."""
+    from llama_swa import LlamaServer, LlamaSWA
+    import replay_backend
+    from replay_backend import StepRunner, backend_of, build_model, preset
+
+    torch._dynamo.reset()
+    model = LlamaSWA(window=8).eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options={"compiler": "eager"})
+    LlamaServer(model, compiled).warm_up()
+    runner = StepRunner(build_model(preset("tiny").with_layers(4, (1, 2)).replace(window=16)), max_model_len=64,
+                        backend=ReplayBackend(compiler="eager"))
+    runner.step([replay_backend.RequestChunk("a", 3, 3)])
+    for k, obj in enumerate((compiled, compiled.backend, runner)):
+        written = dump_compiled(obj, str(tmp_path / str(k)))
+        assert "index.md" in written and "graph_after_split.py" in written, (k, written)
+    assert backend_of(compiled) is compiled.backend and backend_of(runner) is runner.backend
+    torch._dynamo.reset()
+
+
 def test_dump_path_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(DUMP_ENV_VAR, str(tmp_path / "env"))
     assert ReplayConfig.from_options({}).debug_dump_path == str(tmp_path / "env")
