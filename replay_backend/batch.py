@@ -148,6 +148,9 @@ class ViewField:
             raise ValueError(f"ViewField.build must be callable, got {self.build!r}")
         if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
             raise ValueError(f"ViewField.width must be an integer >= 1, got {self.width!r}")
+        if self.max_rows is not None and not callable(self.max_rows):
+            raise ValueError(f"ViewField.max_rows must be callable (max_tokens, max_requests) -> rows, got "
+                             f"{self.max_rows!r}")
 
     def capacity(self, max_tokens: int, max_requests: int) -> int | None:
         """Elements this field takes in one view of a step of at most ``max_tokens``
@@ -232,10 +235,10 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     extra = []
     for name, f in fields:
         if f.per_row:
-            whole = f.build(pos, slots, layout)
+            whole = _built(name, f.build(pos, slots, layout), t, f.width)
             extra += [whole, whole.view(-1, f.width)[kept].reshape(-1)]
         else:
-            extra += [f.build(q, seq_lens, floors, base, window) for q in (qsl, kqsl)]
+            extra += [_built(name, f.build(q, seq_lens, floors, base, window)) for q in (qsl, kqsl)]
     # One copy to the device for the metadata, every field a view of it, and for the
     # inputs too where the caller allows (each copy is host time before the first kernel).
     # The count and rows come first: in a metadata buffer they sit at its head, where the
@@ -276,6 +279,18 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     return StepBatch(requests, window, ids, pos, last, view, replay, view.for_replay_layers(), metadata,
                      metadata.generation if metadata is not None else 0, layout, owner=owner, pad_writes=pad_writes,
                      graph=graph)
+
+
+def _built(name: str, value, rows: int | None = None, width: int = 1) -> torch.Tensor:
+    """A ViewField's built value, refused naming the field where it is not a flat int64
+    host tensor (for a per-row field, ``width`` values for each of ``rows`` rows)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
+        what = f"a {value.dim()}-D {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"ViewField {name!r}: build must return a 1-D int64 tensor, got {what}")
+    if rows is not None and value.shape[0] != rows * width:
+        raise ValueError(f"ViewField {name!r}: build returned {value.shape[0]} values for {rows} rows of width "
+                         f"{width}")
+    return value
 
 
 def _per_row(qsl: list[int], values: list[int]) -> torch.Tensor:

@@ -57,6 +57,13 @@ class Counters:
         unknown = set(deltas) - set(vars(self))
         if unknown:
             raise ValueError(f"unknown counter(s) {sorted(unknown)}; known: {sorted(vars(self))}")
+        for name, want in deltas.items():  # before the block runs: a typo costs no run
+            keyed = isinstance(getattr(self, name), Counter)
+            if keyed and not isinstance(want, dict) or not keyed and (isinstance(want, bool) or
+                                                                       not isinstance(want, int)):
+                raise ValueError(f"counters.expect({name}=...): {name} counts per key, so give a dict of key -> "
+                                 f"count; got {want!r}" if keyed else
+                                 f"counters.expect({name}=...): an integer, got {want!r}")
         before = self.state()
         yield
         moved = self.moved_since(before)

@@ -6,6 +6,7 @@ import torch
 
 from replay_backend.batch import (
     RequestChunk,
+    ViewField,
     build_step_batch,
     kept_len,
     replay_floor,
@@ -270,6 +271,27 @@ def test_a_token_id_list_per_request_or_an_error_naming_the_counts(ids):
 def test_a_batch_of_the_wrong_kinds_of_arguments_is_refused_naming_the_argument(reqs, ids, blocks, match):
     with pytest.raises(ValueError, match=match):
         build_step_batch(reqs, ids, blocks, LAYOUT, 16, "cpu")
+
+
+def _pos(p, s, layout):
+    return p.clone()
+
+
+@pytest.mark.parametrize("field, match", [
+    (ViewField(lambda p, s, layout: p[1:].clone(), per_row=True), r"ViewField 'f': build returned 2 values for 3 rows"),
+    (ViewField(_pos, 2, per_row=True), r"ViewField 'f': build returned 3 values for 3 rows of width 2"),
+    (ViewField(lambda p, s, layout: p.float(), per_row=True), r"ViewField 'f': build must return a 1-D int64 tensor, "
+                                                               r"got a 1-D torch.float32 tensor"),
+    (ViewField(lambda q, s, k, b, w: list(q)), r"ViewField 'f': build must return a 1-D int64 tensor, got list"),
+])
+def test_a_view_field_that_builds_the_wrong_value_is_refused_naming_it(field, match):
+    with pytest.raises(ValueError, match=match):
+        build_step_batch([R("a", 3, 3)], [[1, 2, 3]], [0], LAYOUT, 16, "cpu", view_fields={"f": field})
+
+
+def test_a_view_fields_max_rows_must_be_callable():
+    with pytest.raises(ValueError, match="ViewField.max_rows must be callable"):
+        ViewField(_pos, max_rows=16)
 
 
 def test_block_count_mismatch():

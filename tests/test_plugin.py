@@ -118,3 +118,9 @@ def test_counter_watch_sees_deltas_without_resetting():
         watch.assert_delta(nope=1)
     with watch.expect(strict=False, trims=1):
         c.trims += 1
+    ran = []
+    for wrong in ({"fallbacks": 1}, {"trims": "1"}):  # refused before the block runs
+        with pytest.raises(ValueError, match=f"counters.expect\\({next(iter(wrong))}=...\\)"):
+            with c.expect(strict=False, **wrong):
+                ran.append(wrong)
+    assert not ran
