@@ -426,7 +426,7 @@ def test_a_soak_step_parses_back_to_its_requests():
         (" , ,", "no requests"),
         ("p:10,x:5", r"item 1 'x:5': expected KIND:Q\[/S\]\[@F\]"),
         ("p:10/20@", r"item 0 'p:10/20@'"),
-        ("d:1/5,p:10/20@20", r"item 1 'p:10/20@20': the floor F must lie below S"),
+        ("d:1/5,p:10/20@20", r"^--batch item 1 'p:10/20@20': the floor F must lie below S$"),
         ("p:10,d:1", r"item 1 'd:1': a decode needs its sequence length"),
         ("p:0", r"item 0 'p:0': need 1 <= Q <= S"),
         ("p:5/3", r"item 0 'p:5/3': need 1 <= Q <= S"),

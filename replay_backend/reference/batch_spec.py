@@ -40,10 +40,10 @@ def parse_batch_spec(spec: str) -> list[RequestChunk]:
             raise ValueError(f"--batch item {i} {item!r}: need 1 <= Q <= S")
         if kind == "d" and not m.group(3):
             raise ValueError(f"--batch item {i} {item!r}: a decode needs its sequence length (d:Q/S)")
+        floor = int(m.group(4)) if m.group(4) is not None else None
+        if floor is not None and floor >= s:
+            raise ValueError(f"--batch item {i} {item!r}: the floor F must lie below S")
         try:
-            floor = int(m.group(4)) if m.group(4) is not None else None
-            if floor is not None and floor >= s:
-                raise ValueError(f"--batch item {i} {item!r}: the floor F must lie below S")
             reqs.append(RequestChunk(f"r{i}", q, s, keep_all=(kind == "k"), kv_start=floor))
         except ValueError as e:
             raise ValueError(f"--batch item {i} {item!r}: {e}") from None
