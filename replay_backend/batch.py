@@ -7,7 +7,6 @@ waits for the step before it.
 """
 from __future__ import annotations
 
-import array
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -15,6 +14,8 @@ from typing import Callable, Mapping
 
 import torch
 
+# int64_tensor: this module's name too, which the model's view fields import.
+from .batch_inputs import built_field, check_inputs, int64_tensor, per_row, token_ids_tensor  # noqa: F401
 from .graph_layout import GraphFields, GraphLayout, GraphPadding
 from .kv_cache import CacheLayout
 # The requests' names are this module's too: a step's batch is built from them.
@@ -191,24 +192,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     address and shape per padded size, whatever the step holds."""
     requests = tuple(requests)
     validate_requests(requests, layout, window, max_num_batched_tokens)
-    for name, given in (("token_ids", token_ids), ("blocks", blocks)):
-        if not hasattr(given, "__len__") or isinstance(given, (str, bytes)):
-            raise ValueError(f"{name} must be a list with one entry per request, got {type(given).__name__}")
-    if len(token_ids) != len(requests):
-        raise ValueError(f"{len(token_ids)} token id lists for {len(requests)} requests")
-    for i, (r, toks) in enumerate(zip(requests, token_ids)):
-        if len(toks) != r.query_len:
-            raise ValueError(f"request {i}: {len(toks)} token ids for query_len={r.query_len}")
-        if isinstance(toks, torch.Tensor):
-            if toks.device.type != "cpu":
-                raise ValueError(f"request {i}: token_ids[{i}] is on {toks.device}: a step's metadata is built on "
-                                 "the host, so give its token ids as a list or a CPU tensor")
-            if toks.dim() != 1 or toks.dtype.is_floating_point or toks.dtype.is_complex or toks.dtype == torch.bool:
-                raise ValueError(f"request {i}: token_ids[{i}] is a {toks.dim()}-D {toks.dtype} tensor: give a "
-                                 "request's token ids as a list of ints or a 1-D integer tensor")
-    if len(blocks) != len(requests):
-        raise ValueError(f"{len(blocks)} cache blocks for {len(requests)} requests")
-    blocks = check_blocks(requests, blocks, layout, shared=pad_writes)
+    blocks = check_inputs(requests, token_ids, blocks, layout, pad_writes)
 
     qlens = [r.query_len for r in requests]
     base = tuple(layout.base(b) for b in blocks)
@@ -218,27 +202,27 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     # less its position (the request's block base): each spread to its request's rows
     # in a few host ops whatever the request count, where ops per request would put
     # hundreds before a many-request step's first kernel.
-    pos = torch.arange(t, dtype=torch.int64) + _per_row(qsl, [r.seq_len - q - a
+    pos = torch.arange(t, dtype=torch.int64) + per_row(qsl, [r.seq_len - q - a
                                                                for r, q, a in zip(requests, qlens, qsl)])
     if pad_writes:
         slots = torch.full((t,), layout.pad_slot, dtype=torch.int64)
     else:
-        slots = pos + _per_row(qsl, base)
+        slots = pos + per_row(qsl, base)
     floors = tuple(replay_floor(r, window) for r in requests)
     seq_lens = tuple(r.seq_len for r in requests)
     rows, kqsl = replay_rows(requests, window)
     rows_cpu = int64_tensor([len(rows), *rows])  # the count, then the rows
     kept = rows_cpu[1:]
-    ids = _token_ids(token_ids)
+    ids = token_ids_tensor(token_ids)
     last = int64_tensor([q - 1 for q in qsl[1:]])
     fields = tuple((view_fields or {}).items())
     extra = []
     for name, f in fields:
         if f.per_row:
-            whole = _built(name, f.build(pos, slots, layout), t, f.width)
+            whole = built_field(name, f.build(pos, slots, layout), t, f.width)
             extra += [whole, whole.view(-1, f.width)[kept].reshape(-1)]
         else:
-            extra += [_built(name, f.build(q, seq_lens, floors, base, window)) for q in (qsl, kqsl)]
+            extra += [built_field(name, f.build(q, seq_lens, floors, base, window)) for q in (qsl, kqsl)]
     # One copy to the device for the metadata, every field a view of it, and for the
     # inputs too where the caller allows (each copy is host time before the first kernel).
     # The count and rows come first: in a metadata buffer they sit at its head, where the
@@ -279,65 +263,6 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     return StepBatch(requests, window, ids, pos, last, view, replay, view.for_replay_layers(), metadata,
                      metadata.generation if metadata is not None else 0, layout, owner=owner, pad_writes=pad_writes,
                      graph=graph)
-
-
-def _built(name: str, value, rows: int | None = None, width: int = 1) -> torch.Tensor:
-    """A ViewField's built value, refused naming the field where it is not a flat int64
-    host tensor (for a per-row field, ``width`` values for each of ``rows`` rows)."""
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
-        what = f"a {value.dim()}-D {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"ViewField {name!r}: build must return a 1-D int64 tensor, got {what}")
-    if rows is not None and value.shape[0] != rows * width:
-        raise ValueError(f"ViewField {name!r}: build returned {value.shape[0]} values for {rows} rows of width "
-                         f"{width}")
-    return value
-
-
-def _per_row(qsl: list[int], values: list[int]) -> torch.Tensor:
-    """``values[i]`` on each row of request i (rows ``qsl[i]:qsl[i + 1]``, none empty):
-    each request's step from the one before at its first row, summed along the rows.
-    A cumulative sum of one dimension runs on one thread, so it never waits for a busy
-    host's other cores (``repeat_interleave`` does)."""
-    if len(values) == qsl[-1]:  # a row per request
-        return int64_tensor(values)
-    steps = int64_tensor([values[0], *(b - a for a, b in zip(values, values[1:]))])
-    return torch.zeros(qsl[-1], dtype=torch.int64).index_copy_(0, int64_tensor(qsl[:-1]), steps).cumsum_(0)
-
-
-def _token_ids(token_ids) -> torch.Tensor:
-    """The requests' token ids, in order, as one int64 host tensor: each run of
-    requests whose ids are lists in one conversion (decodes beside a prompt's chunk:
-    one for the decodes), tensors as they are (checked 1-D integer already)."""
-    parts: list[torch.Tensor] = []
-    run: list = []
-    for toks in token_ids:
-        if isinstance(toks, torch.Tensor):
-            if run:
-                parts.append(_ints(run))
-                run = []
-            parts.append(toks.to(torch.int64))
-        else:
-            run.extend(toks)
-    if run:
-        parts.append(_ints(run))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _ints(values: list) -> torch.Tensor:
-    try:
-        return int64_tensor(values)
-    except (TypeError, OverflowError) as e:
-        raise ValueError(f"token ids must be int64 integers: {e}") from None
-
-
-def int64_tensor(values: list[int]) -> torch.Tensor:
-    """Python ints as a 1-D int64 host tensor. ``torch.tensor`` inspects every element,
-    several times slower: the step's rows and attention row blocks are built on its
-    critical path, before its first kernel."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64)
-    # The tensor holds a reference to the array, which owns the memory.
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, context: int = 0,
