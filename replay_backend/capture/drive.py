@@ -24,11 +24,8 @@ def capture(be, setup, replay_view_for=None, metadata=None) -> dict:
     if not callable(setup):
         if replay_view_for is not None or metadata is not None:
             raise TypeError("capture(setup) takes the StepSetup alone")
-        setup = be.use(setup)
-        model = be.learned_model("capture")
-        metadata = be.metadata_buffer(setup)
         # The FULL sizes first: they are part of the schedule the ranks compare.
-        run_full = full_capture_step(model, setup, metadata, resolve_policy(be.config, model, setup, metadata))
+        setup, model, metadata, run_full = _prepared(be, setup, "capture")
         _check_same_schedule(be)
         with set_forward_context(setup.context(setup.dummy_batch(setup.window))):
             summary = _capture(be, lambda n: run_dummy(model, setup, n), setup.replay_view, metadata, run_full)
@@ -59,13 +56,20 @@ def estimate_graph_memory(be, setup):
     """``ReplayBackend.estimate_graph_memory``: the dummy steps of ``setup`` run in the
     measuring phase, as capture would run them."""
     be.lifecycle.expect("estimate_graph_memory", Phase.WARMING)
-    setup = be.use(setup)
-    model = be.learned_model("estimate_graph_memory")
-    metadata = be.metadata_buffer(setup)
-    run_full = full_capture_step(model, setup, metadata, resolve_policy(be.config, model, setup, metadata))
+    setup, model, metadata, run_full = _prepared(be, setup, "estimate_graph_memory")
     with set_forward_context(setup.context(setup.dummy_batch(setup.window))), torch.no_grad():
         return model.estimate_graph_memory(lambda n: run_dummy(model, setup, n, use_graphs=False),
                                            setup.replay_view, run_full)
+
+
+def _prepared(be, setup, what: str):
+    """For the dummy steps of ``setup``: the setup taken, the compiled model, the
+    metadata buffer, and capture's FULL step (its policy decided now; None: none)."""
+    setup = be.use(setup)
+    model = be.learned_model(what)
+    metadata = be.metadata_buffer(setup)
+    return setup, model, metadata, full_capture_step(model, setup, metadata,
+                                                     resolve_policy(be.config, model, setup, metadata))
 
 
 def _check_same_schedule(be) -> None:

@@ -249,11 +249,12 @@ class StepRunner:
 
     def _trace(self) -> None:
         """The compiled model's one trace and compile, on a dummy step of W tokens that
-        captures nothing, before the runner's first step of its own: traced on one
-        token, the reference model's grouped output projection (a batched matmul of
-        transposed rows) leaves Dynamo a guard that holds at one token only. Not with
-        data-parallel ranks, whose every step is agreed: a rank that failed its first
-        step would trace on the next while the others did not, one agreement apart."""
+        captures nothing: before capture, and before the runner's first step of its own,
+        since traced on one token the reference model's grouped output projection (a
+        batched matmul of transposed rows) leaves Dynamo a guard that holds at one token
+        only. :meth:`run` leaves it out with data-parallel ranks, whose every step is
+        agreed: a rank that failed its first step would trace on its next while the
+        others did not, one agreement apart."""
         self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
 
     def plan_batch(self, batch: StepBatch, in_region: bool) -> None:
