@@ -16,6 +16,14 @@ import textwrap
 import pytest
 import torch
 
+# Inductor's C++ builder imports setuptools, whose distutils shim asserts when the
+# stdlib's distutils came into a test process first (through a dependency of another
+# test run earlier in the same worker). Setuptools first: one distutils in every worker.
+try:
+    import setuptools  # noqa: F401
+except ImportError:  # no setuptools: no shim to disagree with
+    pass
+
 from replay_backend.reference import build_model, preset
 from replay_backend.reference.runner import StepRunner
 
