@@ -421,3 +421,9 @@ def test_capture_tried_again_after_a_failure_captures(monkeypatch):
     got, result = server.step([RequestChunk("a", 40, 40)])
     want, _ = LlamaServer(model).step([RequestChunk("a", 40, 40)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arg, what", [(5, "int"), (torch.tensor(3.0), "a 0-dim tensor")])
+def test_mark_token_dims_refuses_what_has_no_token_dimension(arg, what):
+    with pytest.raises(ValueError, match=f"mark_token_dims: argument 1 must be a tensor .*got {what}"):
+        replay_backend.mark_token_dims(torch.zeros(3, dtype=torch.int64), arg)

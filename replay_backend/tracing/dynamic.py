@@ -18,6 +18,11 @@ import torch
 from ..compat import dynamo as compat_dynamo
 def mark_token_dims(*tensors: torch.Tensor) -> None:
     """Mark dim 0 (the token count) of each tensor dynamic for the next Dynamo trace."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            what = "a 0-dim tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"mark_token_dims: argument {i} must be a tensor whose first dimension is the token "
+                             f"count, got {what}")
     compat_dynamo.mark_tokens_dynamic(*tensors)
 
 
