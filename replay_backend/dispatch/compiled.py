@@ -58,7 +58,9 @@ class CompiledReplayModel:
         self.full_policy = None
         self.full_resolved = False  # the policy was decided (a downgrade is counted once)
         self.output_row_bytes = 0  # the step's outputs per token row, measured with the memory estimate
-        self.inputs = StepInputs(token_inputs, sym_inputs, number_inputs)  # the fixed buffers graphed steps read
+        # The fixed buffers graphed steps read, as long as the largest graph's rows.
+        self.inputs = StepInputs(token_inputs, sym_inputs, number_inputs,
+                                 max((*main_level.sizes, *self.full_sizes), default=0))
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).
@@ -241,7 +243,7 @@ class CompiledReplayModel:
 
     def _padded(self, args, t: int, tp: int) -> list:
         """The step's arguments in the fixed buffers, padded to ``tp`` rows."""
-        return self.inputs.padded(args, t, tp, max((*self.main_level.sizes, *self.full_sizes)))
+        return self.inputs.padded(args, t, tp)
 
     def _eager_padded(self, args, t: int, tp: int) -> tuple:
         """A step without graphs on ``tp`` rows, ``t`` of them real."""

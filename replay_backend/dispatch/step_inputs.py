@@ -13,11 +13,12 @@ class StepInputs:
     """The fixed buffers of one compiled model's step arguments. ``token_inputs``: the
     arguments whose first dimension is the token count; ``sym_inputs``: the token count
     itself; ``number_inputs``: the Python numbers Dynamo passes as fresh 0-dim tensors
-    (compat.dynamo.number_inputs; None: not known from the trace)."""
+    (compat.dynamo.number_inputs; None: not known from the trace); ``rows``: the most
+    rows a graphed step pads to, each token buffer's length."""
 
     def __init__(self, token_inputs: list[int], sym_inputs: list[int],
-                 number_inputs: tuple[int, ...] | None = None) -> None:
-        self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
+                 number_inputs: tuple[int, ...] | None = None, rows: int = 0) -> None:
+        self.token_inputs, self.sym_inputs, self.rows = token_inputs, sym_inputs, rows
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
         # Python numbers as fresh 0-dim tensors on every call, copied into fixed ones per
@@ -34,8 +35,8 @@ class StepInputs:
         self.scalar_inputs = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
                                    and (i in known if known is not None else not isinstance(a, torch.nn.Parameter)))
 
-    def padded(self, args, t: int, tp: int, most: int) -> list:
-        """``args`` with the token inputs (``t`` rows) in their buffers of ``most`` rows,
+    def padded(self, args, t: int, tp: int) -> list:
+        """``args`` with the token inputs (``t`` rows) in their buffers of ``rows`` rows,
         padded to ``tp``, and the fixed scalars."""
         new = list(args)
         for i in self.token_inputs:
@@ -44,7 +45,7 @@ class StepInputs:
                 raise ValueError(f"input {i} has {x.shape[0]} rows, expected the token count {t}")
             buf = self.buffers.get(i)
             if buf is None:
-                buf = self.buffers[i] = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
+                buf = self.buffers[i] = torch.zeros((self.rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
                 self._written[i] = 0
             buf[:t].copy_(x)
             # Rows from ``_written`` on are zero already, so only rows that an earlier,
