@@ -218,6 +218,32 @@ def test_a_rank_that_fails_its_first_step_before_any_trace_makes_every_rank_rais
     assert max(rank0[1], rank0[2], rank1[1], rank1[2]) <= TOL, (rank0, rank1)
 
 
+def _first_step_of_one_token(rank: int, world: int) -> list:
+    """DEP2 without capture: each rank's first step is a one-token prompt, so the one
+    trace is made on one token; then lone decodes and steps of other counts run on it. Per step: the logits' and the written cache's error
+    against the single-process model."""
+    dp = dist.group.WORLD
+    rc = StepRunner(shard(build_model(CFG), Parallel(1, 0, None, 2, rank, dp, True)), max_model_len=256,
+                    backend=ReplayBackend(**OPTS, dp_group=dp))
+    ro = StepRunner(build_model(CFG), max_model_len=256)
+    steps = ([[R("a", 1, 1)], [R("a", 1, 2)], [R("a", 30, 32)], [R("b", 3, 3), R("a", 1, 33)]] if rank == 0 else
+             [[R("c", 1, 1)], [R("c", 1, 2)], [R("c", 7, 9)], [R("d", 60, 60)]])
+    out = []
+    for reqs in steps:
+        got, want = rc.step(reqs), ro.step(reqs)
+        out.append((got.batch.num_tokens, max_abs_err(got.logits, want.logits),
+                    max_abs_err_kv(rc.kv, ro.kv, got.batch)))
+    return out
+
+
+def test_a_first_step_of_one_token_traces_one_graph_for_every_count():
+    """Traced on one token, the reference model's step holds for every count: a data-
+    parallel rank has no warm-up trace of its own to run (its every step is agreed)."""
+    for rank_steps in run_ranks(_first_step_of_one_token, 2, timeout=300):
+        assert rank_steps[0][0] == 1, rank_steps
+        assert all(err <= TOL and kv <= TOL for _, err, kv in rank_steps), rank_steps
+
+
 def _other_layers(rank: int, world: int) -> None:
     """The same options, models of other depths: the traces differ, seen at capture."""
     cfg = CFG if rank == 0 else preset("tiny").with_layers(8, (1, 3)).replace(window=16)

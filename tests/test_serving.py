@@ -107,6 +107,37 @@ def test_a_trace_that_holds_only_for_some_token_counts_is_refused_naming_its_gua
     assert "test_serving.py" in str(err)  # the line that made the guard
 
 
+class GroupedProjection(nn.Module):
+    """A grouped projection as one batched matmul over groups, its product reshaped from
+    the transposed rows: traced on one token, the reshape's choice of a view leaves a
+    guard that holds at one token only."""
+
+    def __init__(self, copy_rows: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 4, 3))
+        self.copy_rows = copy_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o = torch.bmm(x.view(x.shape[0], 2, 4).transpose(0, 1), self.w).transpose(0, 1)
+        if self.copy_rows:
+            o = o.clone(memory_format=torch.contiguous_format)
+        return o.reshape(x.shape[0], -1)
+
+
+def test_a_trace_on_one_token_that_holds_there_only_names_the_copy_that_fixes_it():
+    with pytest.raises(Exception) as info, torch.no_grad():
+        replay_backend.compile(GroupedProjection(False), ("x",), options={"compiler": "eager"})(torch.randn(1, 8))
+    assert isinstance(user_error(info.value), TokenCountError), info.value
+    assert "fails at 2 tokens" in str(info.value) and "holds at one token only" in str(info.value)
+    assert "clone(memory_format=torch.contiguous_format)" in str(info.value)
+    model = GroupedProjection(True)
+    compiled = replay_backend.compile(model, ("x",), options={"compiler": "eager"})
+    with torch.no_grad():
+        for t in (1, 2, 5):
+            x = torch.randn(t, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+
+
 def test_bare_torch_compile_with_a_one_token_first_step_names_the_fix():
     model = LlamaSWA(window=W).eval()
     compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)

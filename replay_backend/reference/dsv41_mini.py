@@ -72,8 +72,12 @@ class Attention(nn.Module):
         else:
             torch.ops.dsv41.swa_attention(q, kv, self.sink, out, self.layer)
         o = apply_rope(out, cos, sin, inverse=True).view(t, self.groups, -1)
-        # Grouped low-rank projection as one batched matmul over groups.
-        o = torch.bmm(o.transpose(0, 1), self.wo_a).transpose(0, 1).reshape(t, -1)
+        # Grouped low-rank projection as one batched matmul over groups. Its product is
+        # copied to token rows explicitly: a reshape would choose between a view and a
+        # copy from the strides, which at one token compare equal, so a graph traced on
+        # one token would hold at one token only.
+        o = torch.bmm(o.transpose(0, 1), self.wo_a).transpose(0, 1)
+        o = o.clone(memory_format=torch.contiguous_format).view(t, -1)
         o = o @ self.wo_b.t()
         return tp_all_reduce(o, self.parallel)  # row-parallel: the sum over the TP ranks
 

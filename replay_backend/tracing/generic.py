@@ -61,7 +61,8 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
         except Exception as e:  # noqa: BLE001 - a guard that cannot be evaluated for one count
             raise TokenCountError(_message(guard.text, guard.where, f"it cannot be checked per count ({e})")) from None
         if bad is not None:
-            raise TokenCountError(_message(guard.text, guard.where, f"it fails at {bad} tokens"))
+            raise TokenCountError(_message(guard.text, guard.where, f"it fails at {bad} tokens")
+                                  + (ONE_TOKEN_ONLY if bad == 2 and guard.holds(1) else ""))
         if not guard.holds(1):
             one_only.append(guard.index)
     for s in syms:
@@ -73,6 +74,15 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
         if lower == 2:
             shapes.lower_range(env, s, 1)
     shapes.drop_guards(env, one_only)
+
+
+# A guard that holds at one token and fails at two comes from a trace on one token
+# whose layout decisions read strides: a size-1 dimension's stride is arbitrary, so
+# those of a transposed tensor compare equal to a contiguous one's there only.
+ONE_TOKEN_ONLY = (". It holds at one token only: the model was traced on a one-token call, where a reshape or "
+                  "view chose its path from strides that agree at one token alone (a transposed tensor's, "
+                  "say): copy such a tensor to token rows first (.clone(memory_format=torch.contiguous_format)) "
+                  "or make the first call longer than one token")
 
 
 def _message(guard: str, where: str, why: str) -> str:
