@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from replay_backend.bench import decode as decode_bench
 from replay_backend.bench import run as bench
 from replay_backend.bench import report as bench_report
 from replay_backend.bench import timing as bench_timing
@@ -495,3 +497,16 @@ def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):
                    "--settings", "default", "--option", "compiler=eager", "--max-num-batched-tokens", "64",
                    "--json", str(out)])
     assert rc == 0 and out.exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--context", "16777215"], r"argument --context: 16777215 is above the limit"),
+    (["--conc", "5000000"], r"argument --conc: 5000000 is above the limit of \d+ \(MAX_NUM_SEQS\)"),
+    (["--context", "16777000", "--steps", "200"], r"--context 16777000 --conc 64 --steps 200 \(caches of 16777412"),
+    (["--mixed", "600", "--max-num-batched-tokens", "512"], r"--mixed 600: more tokens than --max-num-batched"),
+])
+def test_decode_bench_sizes_out_of_range_are_one_line_before_any_model(argv, match, capsys, monkeypatch):
+    monkeypatch.setattr(decode_bench, "bench_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert cli.main(["decode-bench", "--preset", "tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(match, err[0]), err

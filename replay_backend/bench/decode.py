@@ -212,12 +212,19 @@ def _measure(modes: list[Mode], args) -> None:
         tracing.release()
 
 
+def cache_size(args) -> tuple[int, int]:
+    """The runners' ``max_model_len`` and ``max_num_seqs``: the longest context or prompt
+    with the tokens every decode step of a point adds (even: blocks hold pairs), and the
+    most requests of a point (nine at least: the mixed point's)."""
+    longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + 2
+    return longest + longest % 2, max(max(args.conc), 9)
+
+
 def run_decode_bench(args) -> dict:
     """Every mode of ``args.modes`` at every point; returns the report."""
     model, device = bench_model(args)
-    longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + 2
-    kw = dict(max_num_seqs=max(max(args.conc), 9), max_model_len=longest + longest % 2,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    max_model_len, max_num_seqs = cache_size(args)
+    kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
     cache = PieceCache()
     runs: list[DecodeRun] = []
     ours = []
@@ -280,20 +287,24 @@ def render(report: dict) -> str:
 
 def add_arguments(p) -> None:
     """The command's arguments (``replay-backend decode-bench``)."""
+    from ..config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+    from ..kv_cache import MAX_MODEL_LEN
     from ..reference import cli_args
 
+    length = cli_args.int_list(1, MAX_MODEL_LEN - 2, why=cli_args.LEN_WHY)
     p.add_argument("--preset", default="mini-2k")
     p.add_argument("--model-option", action="append", metavar="KEY=VALUE")
     p.add_argument("--modes", type=cli_args.names(list(DECODE_MODES)), default=list(DECODE_MODES))
-    p.add_argument("--context", type=cli_args.int_list(1), default=[1024, 8192],
+    p.add_argument("--context", type=length, default=[1024, 8192],
                    help="cached tokens per request at the decode points")
-    p.add_argument("--conc", type=cli_args.int_list(1), default=[1, 8, 64], help="requests per decode step")
-    p.add_argument("--mixed", type=cli_args.int_list(2), default=[512], help="tokens of the mixed steps")
-    p.add_argument("--prefill-isl", type=cli_args.int_list(1), default=[1024, 4096, 8192])
+    p.add_argument("--conc", type=cli_args.int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8, 64], help="requests per decode step")
+    p.add_argument("--mixed", type=cli_args.int_list(2, MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS"), default=[512], help="tokens of the mixed steps")
+    p.add_argument("--prefill-isl", type=length, default=[1024, 4096, 8192])
     p.add_argument("--steps", type=cli_args.int_arg(1), default=30, help="timed steps per point")
     p.add_argument("--runs", type=cli_args.int_arg(1), default=5, help="timed prompts per prefill point")
     p.add_argument("--warmup", type=cli_args.int_arg(1), default=3)
-    p.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1), default=8192)
+    p.add_argument("--max-num-batched-tokens",
+                   type=cli_args.int_arg(1, MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS"), default=8192)
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
     p.add_argument("--profile-points", type=cli_args.profile_points, default=[],

@@ -19,6 +19,12 @@ from .cli_options import model_config
 def cmd_decode_bench(args) -> int:
     """The decode bench (bench/decode.py); its table printed, its report to --out."""
     model_config(args.preset, args.model_option)  # a bad preset or option, before any model is built
+    longest, seqs = decode_bench.cache_size(args)
+    cli_args.check_layout(longest, seqs, f"--context {max(args.context)} --conc {max(args.conc)} --steps {args.steps} "
+                          f"(caches of {longest} positions per sequence)")
+    if max(args.mixed) > args.max_num_batched_tokens:
+        raise ValueError(f"--mixed {max(args.mixed)}: more tokens than --max-num-batched-tokens="
+                         f"{args.max_num_batched_tokens} in one step")
     if args.out:
         cli_args.check_file(args.out, "--out")
     if args.profile_out:
