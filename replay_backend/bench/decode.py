@@ -144,7 +144,7 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
         m.run.pipelined_ms[point] = m.pipelined(live[id(m)], args.steps)
         if args.profile_out and point in args.profile_points:
             profile_to(args.profile_out, f"{m.run.mode} decode {point}", lambda: m.decode(live[id(m)])[0],
-                       None, tracing)
+                       args.trace_dir, tracing)
         if torch.cuda.is_available():
             try:
                 m.run.floor_ms[point] = kernel_floor_ms(lambda: m.decode(live[id(m)])[0], tracing)
@@ -309,3 +309,4 @@ def add_arguments(p) -> None:
     p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
     p.add_argument("--profile-points", type=cli_args.profile_points, default=[],
                    help="CONTEXT/CONC points to profile, e.g. 1024/8")
+    p.add_argument("--trace-dir", metavar="DIR", help="keep each profiled step's Chrome trace here (gzipped)")

@@ -29,6 +29,8 @@ def cmd_decode_bench(args) -> int:
         cli_args.check_file(args.out, "--out")
     if args.profile_out:
         cli_args.check_file(args.profile_out, "--profile-out")
+    if args.trace_dir:
+        cli_args.check_dir(args.trace_dir, "--trace-dir")
     report = decode_bench.run_decode_bench(args)
     if args.out:
         with open(args.out, "w") as f:
