@@ -54,6 +54,10 @@ class DecodeRun:
     # "context/conc" -> median host ms of building the step's batch, inside tpot_ms: host
     # time before the step's first kernel, which a synchronised step cannot hide
     build_ms: dict = field(default_factory=dict)
+    # "context/conc" -> median host ms from the build's start until the step is queued
+    # (its run returns, before the sync): the build and every launch. Close to the
+    # step's whole time, the host held the GPU back; far below it, the GPU ran the rest.
+    host_ms: dict = field(default_factory=dict)
     kinds: dict = field(default_factory=dict)  # "context/conc" -> the step kind it ran as
     mixed_ms: dict = field(default_factory=dict)  # "tokens" -> median step ms
     ttft_ms: dict = field(default_factory=dict)  # "isl" -> median prefill ms (c1)
@@ -75,7 +79,8 @@ class Mode:
         return ids
 
     def decode(self, ids: list[str], synced: bool = True):
-        """One decode step of ``ids``: its ms, the ms of building its batch, its output."""
+        """One decode step of ``ids``: its ms, the ms of building its batch, the host's ms
+        until the step was queued, its output."""
         reqs = []
         for rid in ids:
             self.seq[rid] += 1
@@ -86,9 +91,10 @@ class Mode:
         batch = self.runner.build_batch(reqs)
         t1 = time.perf_counter()
         out = self.runner.run(batch)
+        t2 = time.perf_counter()
         if synced:
             sync()
-        return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, out
+        return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t0) * 1e3, out
 
     def pipelined(self, ids: list[str], steps: int) -> float:
         """ms per step of ``steps`` decode steps queued back to back."""
@@ -129,18 +135,19 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
     first = None
     for m in modes:  # warm-up, and each mode's first step checked against the first mode's
         for w in range(args.warmup):
-            _, _, out = m.decode(live[id(m)])
+            *_, out = m.decode(live[id(m)])
             if w == 0:
                 first = out.logits if first is None else first
                 m.run.max_abs_err_vs_first[point] = max_abs_err(out.logits.float(), first.float())
                 m.run.kinds[point] = out.result.kind.value if out.result is not None else "dynamo"
-    times: dict[int, list[tuple[float, float]]] = {id(m): [] for m in modes}
+    times: dict[int, list[tuple[float, float, float]]] = {id(m): [] for m in modes}
     for _ in range(args.steps):
         for m in modes:
-            times[id(m)].append(m.decode(live[id(m)])[:2])
+            times[id(m)].append(m.decode(live[id(m)])[:3])
     for m in modes:
-        m.run.tpot_ms[point] = statistics.median(t for t, _ in times[id(m)])
-        m.run.build_ms[point] = statistics.median(b for _, b in times[id(m)])
+        m.run.tpot_ms[point] = statistics.median(t[0] for t in times[id(m)])
+        m.run.build_ms[point] = statistics.median(t[1] for t in times[id(m)])
+        m.run.host_ms[point] = statistics.median(t[2] for t in times[id(m)])
         m.run.pipelined_ms[point] = m.pipelined(live[id(m)], args.steps)
         if args.profile_out and point in args.profile_points:
             profile_to(args.profile_out, f"{m.run.mode} decode {point}", lambda: m.decode(live[id(m)])[0],
@@ -153,7 +160,8 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
         m.end(live[id(m)])
     print(f"decode {point}: " + ", ".join(f"{m.run.mode} {m.run.tpot_ms[point]:.2f} ms "
                                           f"(queued {m.run.pipelined_ms[point]:.2f}, "
-                                          f"build {m.run.build_ms[point]:.2f}) "
+                                          f"build {m.run.build_ms[point]:.2f}, "
+                                          f"host {m.run.host_ms[point]:.2f}) "
                                           f"(floor {m.run.floor_ms.get(point, float('nan')):.2f}, "
                                           f"{m.run.kinds.get(point)})" for m in modes), flush=True)
 
@@ -257,10 +265,10 @@ def render(report: dict) -> str:
              f"{report['steps']} steps", "", "| context/conc | " + " | ".join(
                  f"{r['mode']} ms (floor, x floor)" for r in res) + " | piecewise / full_and_piecewise |",
              "|---|" + "---|" * (len(res) + 1)]
-    queued = ["", "steps queued back to back (one sync at the end), ms per step; and the host's ms building "
-              "a step's batch, inside its time", "",
-              "| context/conc | " + " | ".join(f"{r['mode']} queued | build" for r in res) + " |",
-              "|---|" + "---|" * 2 * len(res)]
+    queued = ["", "steps queued back to back (one sync at the end), ms per step; and inside a step's time, "
+              "the host's ms building its batch and until the step was queued (build and launches)", "",
+              "| context/conc | " + " | ".join(f"{r['mode']} queued | build | host" for r in res) + " |",
+              "|---|" + "---|" * 3 * len(res)]
     full = next((r for r in res if r["mode"] == "full_and_piecewise"), None)
     for point in (base or res[0])["tpot_ms"] if res else []:
         cells = []
@@ -270,8 +278,9 @@ def render(report: dict) -> str:
         gain = (f"{base['tpot_ms'][point] / full['tpot_ms'][point]:.2f}x" if base and full
                 and point in full["tpot_ms"] else "")
         lines.append(f"| {point} | " + " | ".join(cells) + f" | {gain} |")
-        queued.append(f"| {point} | " + " | ".join(f"{r['pipelined_ms'].get(point, float('nan')):.2f} | "
-                                                   f"{r['build_ms'].get(point, float('nan')):.2f}" for r in res) + " |")
+        queued.append(f"| {point} | " + " | ".join(" | ".join(f"{r[k].get(point, float('nan')):.2f}" for k in
+                                                              ("pipelined_ms", "build_ms", "host_ms"))
+                                                   for r in res) + " |")
     lines += queued
     for title, key in (("mixed step, tokens", "mixed_ms"), ("prefill TTFT c1, ISL", "ttft_ms")):
         lines += ["", f"| {title} | " + " | ".join(f"{r['mode']} ms" for r in res) + " |",
