@@ -301,6 +301,11 @@ class ReplayBackend:
             return (f"the model was traced with grad mode {'on' if self.compiled[0].grad_enabled else 'off'} and is "
                     "now called with it " + ("on" if torch.is_grad_enabled() else "off")
                     + ": run every step under torch.no_grad() or torch.inference_mode()")
+        if compat_dynamo.first_compile_of_frame():
+            return ("Dynamo compiled this code as if for the first time: torch._dynamo.reset() (or "
+                    "torch.compiler.reset()) discarded the served model's compiled code, or another function was "
+                    "compiled with this backend. A backend serves one model traced once: after a reset, compile "
+                    "the model again with a new backend")
         return ("one of Dynamo's guards failed (an input's dtype, device or rank, a model attribute, global "
                 "state): the model must trace once, dynamic only in the token count; TORCH_LOGS=recompiles "
                 "names the guard (docs/debugging.md)")

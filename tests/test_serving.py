@@ -169,6 +169,22 @@ def test_a_served_call_out_of_context_or_grad_mode_names_the_cause():
             compiled(batch.input_ids, batch.positions)
 
 
+def test_a_served_model_traced_again_after_dynamo_reset_names_the_reset():
+    model = LlamaSWA(window=W).eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(model)
+    batch = server.setup.dummy_batch(W)
+    with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+        compiled(batch.input_ids, batch.positions)
+    be = replay_backend.backend_of(compiled)
+    be.capture(server.setup)
+    be.start_serving()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"recompile after warm-up \(while serving\): .*torch._dynamo.reset\(\)"):
+        with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+            compiled(batch.input_ids, batch.positions)
+
+
 def test_prompt_logprobs_of_a_keep_all_request_in_a_trimming_step_match_the_oracle(model):
     """A request asking for prompt logprobs keeps all its rows and is never trimmed: in
     a step that trims its neighbour, each of its rows' log-probability of the next

@@ -28,6 +28,19 @@ def fakeify(fake_mode, inputs: list) -> list:
             else x for x in inputs]
 
 
+def first_compile_of_frame() -> bool | None:
+    """Whether the graph being compiled is its frame's first since Dynamo's caches were
+    last emptied (a recompile is a later one), or None where this torch does not say."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - outside a compile, or another layout: unknown
+        return None
+    n = getattr(cid, "frame_compile_id", None)
+    return n == 0 if isinstance(n, int) else None
+
+
 @contextlib.contextmanager
 def size_oblivious() -> Iterator[None]:
     """Trace without specialising the token count on 0/1, so a one-token step does not
