@@ -10,6 +10,7 @@ import time
 import torch
 
 from ..bench import decode as decode_bench
+from ..bench.decode_report import render as render_decode
 from ..bench import ranks as bench_ranks
 from ..bench import run as bench
 from . import cli_args
@@ -35,7 +36,7 @@ def cmd_decode_bench(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    print(decode_bench.render(report))
+    print(render_decode(report))
     return 0 if all(not r["error"] for r in report["results"]) else 1
 
 
