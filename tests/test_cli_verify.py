@@ -34,8 +34,8 @@ def test_verify_json_on_the_default_model(capsys):
 
 @pytest.mark.parametrize("batch", ["d:1/20", "p:1"])
 def test_verify_a_lone_one_token_step(batch, capsys):
-    """A runner's first step of one token: the compiled model traces on a dummy step of
-    W tokens first, so the one graph holds for every count."""
+    """A runner's first step of one token: the runner traces the compiled model on a
+    dummy step of W tokens first, so the one graph holds for every count."""
     code = cli.main(["verify", "--batch", batch, "--json", "--option", "compiler=eager",
                      "--option", "cudagraph_capture_sizes=8,64"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

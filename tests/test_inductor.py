@@ -94,3 +94,21 @@ def test_an_eager_step_on_the_40_layer_tiny_preset_matches_the_oracle(capsys):
     assert (out["step_kind"], out["trimmed"], out["num_tokens"]) == ("eager", False, 129)
     assert out["max_abs_err_kv"] <= out["tolerance"] and out["max_abs_err_logits"] <= out["tolerance"]
     assert code == 0 and out["ok"] is True
+
+
+def test_a_runners_first_step_of_one_token_serves_every_count_with_inductor_pieces():
+    """Inductor lowers the pieces with the traced token count as its size hint; traced on
+    one token, some of its choices hold at one token only. A runner whose first step is
+    one token traces on a W-token dummy first: then lone decodes and longer steps run on
+    the one graph, against the oracle."""
+    cfg = preset("tiny").with_layers(4, (1, 2)).replace(window=16)
+    model = build_model(cfg)
+    be = ReplayBackend(compiler="inductor", max_num_seqs=4, cudagraph_mode="none")
+    rc = StepRunner(model, max_model_len=256, max_num_seqs=4, backend=be)
+    ro = StepRunner(model, max_model_len=256, max_num_seqs=4)
+    with counters.expect(strict=False, recompiles=0):
+        for reqs in ([R("a", 1, 1)], [R("a", 1, 2)], [R("a", 5, 7), R("b", 30, 30)], [R("a", 1, 8)]):
+            got, want = rc.step(reqs), ro.step(reqs)
+            assert max_abs_err(got.logits, want.logits) <= ATOL, reqs
+            assert max_abs_err_kv(rc.kv, ro.kv, got.batch) <= ATOL, reqs
+    assert len(be.compiled) == 1

@@ -220,8 +220,9 @@ def test_a_rank_that_fails_its_first_step_before_any_trace_makes_every_rank_rais
 
 def _first_step_of_one_token(rank: int, world: int) -> list:
     """DEP2 without capture: each rank's first step is a one-token prompt, so the one
-    trace is made on one token; then lone decodes and steps of other counts run on it. Per step: the logits' and the written cache's error
-    against the single-process model."""
+    trace is made on one token; then lone decodes and steps of other counts run on it.
+    Per step: the logits' and the written cache's error against the single-process
+    model; and the number of graphs traced."""
     dp = dist.group.WORLD
     rc = StepRunner(shard(build_model(CFG), Parallel(1, 0, None, 2, rank, dp, True)), max_model_len=256,
                     backend=ReplayBackend(**OPTS, dp_group=dp))
@@ -233,14 +234,15 @@ def _first_step_of_one_token(rank: int, world: int) -> list:
         got, want = rc.step(reqs), ro.step(reqs)
         out.append((got.batch.num_tokens, max_abs_err(got.logits, want.logits),
                     max_abs_err_kv(rc.kv, ro.kv, got.batch)))
-    return out
+    return out, len(rc.backend.compiled)
 
 
 def test_a_first_step_of_one_token_traces_one_graph_for_every_count():
-    """Traced on one token, the reference model's step holds for every count: a data-
-    parallel rank has no warm-up trace of its own to run (its every step is agreed)."""
-    for rank_steps in run_ranks(_first_step_of_one_token, 2, timeout=300):
-        assert rank_steps[0][0] == 1, rank_steps
+    """Traced on one token (eager pieces), the reference model's step holds for every
+    count: a data-parallel rank runs no warm-up trace of its own (its every step is
+    agreed), so its first step is the trace."""
+    for rank_steps, graphs in run_ranks(_first_step_of_one_token, 2, timeout=300):
+        assert rank_steps[0][0] == 1 and graphs == 1, (rank_steps, graphs)
         assert all(err <= TOL and kv <= TOL for _, err, kv in rank_steps), rank_steps
 
 

@@ -74,7 +74,7 @@ class Attention(nn.Module):
         o = apply_rope(out, cos, sin, inverse=True).view(t, self.groups, -1)
         # Grouped low-rank projection as one batched matmul over groups. Its product is
         # copied to token rows explicitly: a reshape would choose between a view and a
-        # copy from the strides, which at one token compare equal, so a graph traced on
+        # copy from the strides, which at one token compare equal, so a trace made on
         # one token would hold at one token only.
         o = torch.bmm(o.transpose(0, 1), self.wo_a).transpose(0, 1)
         o = o.clone(memory_format=torch.contiguous_format).view(t, -1)

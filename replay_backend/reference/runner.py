@@ -165,6 +165,8 @@ class StepRunner:
             if fwd is self.compiled:  # data-parallel ranks raise naming this one, not wait for it
                 self.compiled.fail_step(e)
             raise
+        if fwd is self.compiled and not self.backend.has_run and not batch.pad_writes and self.backend.dp_group is None:
+            self._trace()
         if fwd is not self.compiled:
             batch.check_current()  # the compiled model checks it itself
         in_region = fwd is self.compiled and self.backend.replays_in_region
@@ -247,7 +249,12 @@ class StepRunner:
 
     def _trace(self) -> None:
         """The compiled model's one trace and compile, on a dummy step of W tokens that
-        captures nothing, before capture: its graphs come in capture's order."""
+        captures nothing: before capture, and before the runner's first step of its own,
+        since Inductor lowers the pieces with the traced token count as its size hint,
+        and at one token some of its layout choices (a select from an expanded hidden
+        state) hold at one token only. :meth:`run` leaves it out with data-parallel
+        ranks, whose every step is agreed: a rank that failed its first step would
+        trace on its next while the others did not, one agreement apart."""
         self.run(self.dummy_batch(self.cfg.window), use_graphs=False)
 
     def plan_batch(self, batch: StepBatch, in_region: bool) -> None:

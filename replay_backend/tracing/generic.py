@@ -14,13 +14,17 @@ on the one graph, so when the graph is built:
 * a guard that only the count 1 fails, and a value range that starts at 2, are the
   one-token bound: dropped, so that a lone decode reaches the graph.
 
-Why one token is safe on a graph built for two or more: the token count is traced as a
-size that is never taken to be 1 (``replay_backend.compile`` traces size-obliviously,
+Why one token is safe on a graph traced on two or more: the token count is traced as
+a size that is never taken to be 1 (``replay_backend.compile`` traces size-obliviously,
 and a marked dynamic dimension never specialises on 1), so every decision that would
 differ at 1 (broadcasting a size-1 dimension, a squeeze) was taken as for any count:
-the graph is the general program, and at 1 it computes the same rows. A model whose
-own Python branches on a one-token batch gets the general branch. The test suite runs
-every count from 1 to 64 through Inductor pieces against the eager model.
+the graph is the general program, and at 1 it computes the same rows. The test suite
+runs every count from 1 to 64 through Inductor pieces against the eager model.
+
+A trace made on one token is another matter: its size hint is 1, and what reads the
+hint (the model's own Python, a reshape choosing a view from strides, Inductor's
+lowering) may decide for one token only. Such a guard fails at two tokens and is
+refused with the advice to trace on more.
 
 The guards live in Dynamo's private shape environment (``compat/shapes.py``). Where
 this torch keeps them elsewhere, the check is a counted fallback: the graph still
@@ -76,13 +80,14 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
     shapes.drop_guards(env, one_only)
 
 
-# A guard that holds at one token and fails at two comes from a trace on one token
-# whose layout decisions read strides: a size-1 dimension's stride is arbitrary, so
-# those of a transposed tensor compare equal to a contiguous one's there only.
-ONE_TOKEN_ONLY = (". It holds at one token only: the model was traced on a one-token call, where a reshape or "
-                  "view chose its path from strides that agree at one token alone (a transposed tensor's, "
-                  "say): copy such a tensor to token rows first (.clone(memory_format=torch.contiguous_format)) "
-                  "or make the first call longer than one token")
+# A guard that holds at one token and fails at two comes from a trace on one token:
+# something decided from the size hint 1 (a branch, a size-1 dimension's arbitrary
+# stride, Inductor's lowering) for that count alone.
+ONE_TOKEN_ONLY = (". It holds at one token only: the model was traced on a call of one token, and a decision "
+                  "was made for that count alone. Make the first call (the trace) at least 2 tokens long. Where "
+                  "the recorded line reshapes or views a transposed tensor, its strides agree with a contiguous "
+                  "one's at one token only: copying it to token rows first "
+                  "(.clone(memory_format=torch.contiguous_format)) lets any first call trace it")
 
 
 def _message(guard: str, where: str, why: str) -> str:
