@@ -185,6 +185,43 @@ def test_a_served_model_traced_again_after_dynamo_reset_names_the_reset():
             compiled(batch.input_ids, batch.positions)
 
 
+class Branchy(LlamaSWA):
+    """Branches on a buffer's value: a graph break, each branch's code its own frame."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.register_buffer("switch", torch.tensor(1.0))
+
+    def forward(self, input_ids, positions):
+        if self.switch > 0:
+            return super().forward(input_ids, positions)
+        return super().forward(input_ids, positions)
+
+
+@pytest.mark.parametrize("how, cause", [
+    ("branch", r"Dynamo reached code it had not compiled before: another path after a graph break"),
+    ("dtype", r"one of Dynamo's guards failed"),
+])
+def test_a_served_model_traced_again_names_a_graph_break_or_a_failed_guard(how, cause):
+    """Neither is taken for a reset: the other branch is a frame Dynamo never compiled,
+    an int32 position tensor a guard of the traced frame."""
+    model = Branchy(window=W).eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(model)
+    batch = server.setup.dummy_batch(W)
+    with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+        compiled(batch.input_ids, batch.positions)
+    replay_backend.backend_of(compiled).start_serving(server.setup)
+    positions = batch.positions
+    if how == "branch":
+        model.switch.fill_(-1.0)
+    else:
+        positions = positions.to(torch.int32)
+    with pytest.raises(Exception, match=r"recompile after warm-up \(while serving\): " + cause):
+        with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+            compiled(batch.input_ids, positions)
+
+
 def test_prompt_logprobs_of_a_keep_all_request_in_a_trimming_step_match_the_oracle(model):
     """A request asking for prompt logprobs keeps all its rows and is never trimmed: in
     a step that trims its neighbour, each of its rows' log-probability of the next

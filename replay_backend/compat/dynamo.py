@@ -28,17 +28,18 @@ def fakeify(fake_mode, inputs: list) -> list:
             else x for x in inputs]
 
 
-def first_compile_of_frame() -> bool | None:
-    """Whether the graph being compiled is its frame's first since Dynamo's caches were
-    last emptied (a recompile is a later one), or None where this torch does not say."""
+def compile_id() -> tuple[int, int] | None:
+    """The graph being compiled: its frame (one per code object Dynamo compiles, counted
+    from its caches' last emptying) and its compile of that frame (0: the first; later
+    ones are recompiles). None where this torch does not say."""
     try:
         from torch._guards import CompileContext
 
         cid = CompileContext.current_compile_id()
     except Exception:  # noqa: BLE001 - outside a compile, or another layout: unknown
         return None
-    n = getattr(cid, "frame_compile_id", None)
-    return n == 0 if isinstance(n, int) else None
+    frame, n = getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None)
+    return (frame, n) if isinstance(frame, int) and isinstance(n, int) else None
 
 
 @contextlib.contextmanager
