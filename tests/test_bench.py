@@ -486,7 +486,8 @@ def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys
         assert all(0 < r["build_ms"][p] < r["host_ms"][p] <= r["tpot_ms"][p] for p in r["tpot_ms"])
         assert set(r["mixed_ms"]) == {"24"} and set(r["ttft_ms"]) == {"64"}
         assert max(r["max_abs_err_vs_first"].values()) < 1e-4
-    assert "| 40/2 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 40/2 |" in out and "| piecewise queued | build | host | full_and_piecewise queued | build | host |" in out
 
 
 def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):
@@ -502,8 +503,10 @@ def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["--context", "16777215"], r"argument --context: 16777215 is above the limit"),
     (["--conc", "5000000"], r"argument --conc: 5000000 is above the limit of \d+ \(MAX_NUM_SEQS\)"),
-    (["--context", "16777000", "--steps", "200"], r"--context 16777000 --conc 64 --steps 200 \(caches of 16777412"),
+    (["--context", "16777000", "--steps", "200"], r"--context 16777000 --conc 64 --steps 200 --warmup 3 \(caches "),
     (["--mixed", "600", "--max-num-batched-tokens", "512"], r"--mixed 600: more tokens than --max-num-batched"),
+    (["--conc", "600", "--mixed", "64", "--max-num-batched-tokens", "512"], r"--conc 600: more tokens than"),
+    (["--trace-dir", "/tmp"], r"--trace-dir keeps the traces of the profiled steps: give --profile-out"),
 ])
 def test_decode_bench_sizes_out_of_range_are_one_line_before_any_model(argv, match, capsys, monkeypatch):
     monkeypatch.setattr(decode_bench, "bench_model", lambda *a, **k: pytest.fail("a model was built"))

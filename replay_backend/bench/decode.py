@@ -232,7 +232,8 @@ def run_decode_bench(args) -> dict:
     """Every mode of ``args.modes`` at every point; returns the report."""
     model, device = bench_model(args)
     max_model_len, max_num_seqs = cache_size(args)
-    kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+    kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     cache = PieceCache()
     runs: list[DecodeRun] = []
     ours = []
@@ -263,19 +264,20 @@ def add_arguments(p) -> None:
     from ..reference import cli_args
 
     length = cli_args.int_list(1, MAX_MODEL_LEN - 2, why=cli_args.LEN_WHY)
+    tokens = dict(hi=MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS")
     p.add_argument("--preset", default="mini-2k")
     p.add_argument("--model-option", action="append", metavar="KEY=VALUE")
     p.add_argument("--modes", type=cli_args.names(list(DECODE_MODES)), default=list(DECODE_MODES))
     p.add_argument("--context", type=length, default=[1024, 8192],
                    help="cached tokens per request at the decode points")
-    p.add_argument("--conc", type=cli_args.int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8, 64], help="requests per decode step")
-    p.add_argument("--mixed", type=cli_args.int_list(2, MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS"), default=[512], help="tokens of the mixed steps")
+    p.add_argument("--conc", type=cli_args.int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8, 64],
+                   help="requests per decode step")
+    p.add_argument("--mixed", type=cli_args.int_list(2, **tokens), default=[512], help="tokens of the mixed steps")
     p.add_argument("--prefill-isl", type=length, default=[1024, 4096, 8192])
     p.add_argument("--steps", type=cli_args.int_arg(1), default=30, help="timed steps per point")
     p.add_argument("--runs", type=cli_args.int_arg(1), default=5, help="timed prompts per prefill point")
     p.add_argument("--warmup", type=cli_args.int_arg(1), default=3)
-    p.add_argument("--max-num-batched-tokens",
-                   type=cli_args.int_arg(1, MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS"), default=8192)
+    p.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1, **tokens), default=8192)
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
     p.add_argument("--profile-points", type=cli_args.profile_points, default=[],

@@ -22,10 +22,13 @@ def cmd_decode_bench(args) -> int:
     model_config(args.preset, args.model_option)  # a bad preset or option, before any model is built
     longest, seqs = decode_bench.cache_size(args)
     cli_args.check_layout(longest, seqs, f"--context {max(args.context)} --conc {max(args.conc)} --steps {args.steps} "
-                          f"(caches of {longest} positions per sequence)")
-    if max(args.mixed) > args.max_num_batched_tokens:
-        raise ValueError(f"--mixed {max(args.mixed)}: more tokens than --max-num-batched-tokens="
-                         f"{args.max_num_batched_tokens} in one step")
+                          f"--warmup {args.warmup} (caches of {longest} positions per sequence)")
+    for flag, tokens in (("--mixed", max(args.mixed)), ("--conc", max(args.conc))):  # a decode step: a token each
+        if tokens > args.max_num_batched_tokens:
+            raise ValueError(f"{flag} {tokens}: more tokens than --max-num-batched-tokens="
+                             f"{args.max_num_batched_tokens} in one step")
+    if args.trace_dir and not (args.profile_out and args.profile_points):
+        raise ValueError("--trace-dir keeps the traces of the profiled steps: give --profile-out and --profile-points")
     if args.out:
         cli_args.check_file(args.out, "--out")
     if args.profile_out:
