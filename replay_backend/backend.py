@@ -80,9 +80,9 @@ class ReplayBackend:
             if group is not None:
                 check_same_options(self.config, group)
         self.compiled: list[CompiledReplayModel] = []
-        # Dynamo's frames (compat.dynamo.compile_id) these graphs came from: a later first
-        # compile of one of them means Dynamo's caches were emptied (a reset).
-        self.frames: set[int] = set()
+        # The code objects these graphs were traced from (compat.dynamo.compiling_frame): a
+        # later first compile of one of them means Dynamo's caches were emptied (a reset).
+        self.traced_code: set = set()
         self.lifecycle = Lifecycle()  # shared by every graph compiled for this state
         # Calls of the compiled model through Dynamo while watched: the model's front
         # (serving.ReplayCompiled) learns from them to call it directly (dispatch/direct.py).
@@ -291,9 +291,9 @@ class ReplayBackend:
         model.grad_enabled = grad_enabled
         inspection.on_built(model)
         self.compiled.append(model)
-        cid = compat_dynamo.compile_id()
-        if cid is not None:
-            self.frames.add(cid[0])
+        frame = compat_dynamo.compiling_frame()
+        if frame is not None:
+            self.traced_code.add(frame[0])
         self.lifecycle.advance(Phase.WARMING)
         return model
 
@@ -307,12 +307,12 @@ class ReplayBackend:
             return (f"the model was traced with grad mode {'on' if self.compiled[0].grad_enabled else 'off'} and is "
                     "now called with it " + ("on" if torch.is_grad_enabled() else "off")
                     + ": run every step under torch.no_grad() or torch.inference_mode()")
-        cid = compat_dynamo.compile_id()
-        if cid is not None and cid[1] == 0 and cid[0] in self.frames:
+        frame = compat_dynamo.compiling_frame()
+        if frame is not None and frame[1] and frame[0] in self.traced_code:
             return ("Dynamo compiled the model's code as if for the first time: torch._dynamo.reset() (or "
                     "torch.compiler.reset()) discarded its compiled code. A backend serves one model traced once: "
                     "after a reset, compile the model again with a new backend")
-        if cid is not None and cid[1] == 0:
+        if frame is not None and frame[1]:
             return ("Dynamo reached code it had not compiled before: another path after a graph break (a branch on "
                     "a tensor's value, say; TORCH_LOGS=graph_breaks names it) or another function compiled with "
                     "this backend. The model must trace once, one graph for every step")

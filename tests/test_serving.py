@@ -170,6 +170,8 @@ def test_a_served_call_out_of_context_or_grad_mode_names_the_cause():
 
 
 def test_a_served_model_traced_again_after_dynamo_reset_names_the_reset():
+    """Whatever else the process compiles after the reset, before the model's call:
+    Dynamo numbers the frames it compiles in one count, restarted by the reset."""
     model = LlamaSWA(window=W).eval()
     compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
     server = LlamaServer(model)
@@ -180,6 +182,8 @@ def test_a_served_model_traced_again_after_dynamo_reset_names_the_reset():
     be.capture(server.setup)
     be.start_serving()
     torch._dynamo.reset()
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    torch.compile(lambda x: x - 1, backend="eager")(torch.ones(2))
     with pytest.raises(Exception, match=r"recompile after warm-up \(while serving\): .*torch._dynamo.reset\(\)"):
         with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
             compiled(batch.input_ids, batch.positions)

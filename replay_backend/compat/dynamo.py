@@ -28,18 +28,21 @@ def fakeify(fake_mode, inputs: list) -> list:
             else x for x in inputs]
 
 
-def compile_id() -> tuple[int, int] | None:
-    """The graph being compiled: its frame (one per code object Dynamo compiles, counted
-    from its caches' last emptying) and its compile of that frame (0: the first; later
-    ones are recompiles). None where this torch does not say."""
+def compiling_frame() -> tuple[Any, bool] | None:
+    """The code object Dynamo is compiling a graph of (the frame's, not a function it
+    inlined) and whether this is that code's first compile since Dynamo's caches were
+    last emptied (later ones are recompiles). None where this torch does not say."""
     try:
-        from torch._guards import CompileContext
+        from torch._guards import CompileContext, TracingContext
 
-        cid = CompileContext.current_compile_id()
+        cid, tc = CompileContext.current_compile_id(), TracingContext.try_get()
     except Exception:  # noqa: BLE001 - outside a compile, or another layout: unknown
         return None
-    frame, n = getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None)
-    return (frame, n) if isinstance(frame, int) and isinstance(n, int) else None
+    n = getattr(cid, "frame_compile_id", None)
+    traced = getattr(tc, "traced_code", None)
+    if not isinstance(n, int) or not traced:
+        return None
+    return traced[0], n == 0
 
 
 @contextlib.contextmanager

@@ -87,6 +87,8 @@ def _check_bench(args) -> None:
         if path:
             cli_args.check_file(path, flag)
     if args.trace_dir:
+        if not args.profile_out:
+            raise ValueError("--trace-dir keeps the traces of the profiled points: give --profile-out")
         cli_args.check_dir(args.trace_dir, "--trace-dir")
 
 
