@@ -277,7 +277,10 @@ class ReplayBackend:
             counters.recompiles += 1
             raise RuntimeError(f"dsv41_replay: recompile after warm-up (while {self.phase.value}): "
                                f"{self._why_recompile()}")
-        if self.compiled:
+        frame = compat_dynamo.compiling_frame()
+        if self.compiled and frame is not None and frame[1]:  # code Dynamo compiles a first time
+            log.info("dsv41_replay: graph %d for this backend, of code after a graph break", len(self.compiled) + 1)
+        elif self.compiled:
             counters.recompiles += 1
             log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
         else:  # once per backend, not per graph
@@ -291,7 +294,6 @@ class ReplayBackend:
         model.grad_enabled = grad_enabled
         inspection.on_built(model)
         self.compiled.append(model)
-        frame = compat_dynamo.compiling_frame()
         if frame is not None:
             self.traced_code.add(frame[0])
         self.lifecycle.advance(Phase.WARMING)
