@@ -1,4 +1,5 @@
-"""Backend options: parsing, validation and capture-size schedules.
+"""Backend options: parsing, validation and the capture sizes they give (sizes.py holds
+the size limits, checks and default schedules).
 
 Every option is checked here, when the config is made, before anything is traced,
 compiled or allocated: a bad value raises ``ValueError`` naming the option. Options
@@ -7,12 +8,14 @@ docs/configuration.md lists each such pair and why it is a note, not an error.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from .sizes import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, SEQS_WHY, TOKENS_WHY,  # noqa: F401 (re-exported)
+                    check_size, default_capture_sizes, default_replay_capture_sizes, is_int, padded_size)
 
 
 CUDAGRAPH_MODES = ("piecewise", "none", "full", "full_decode_only", "full_and_piecewise")
@@ -25,74 +28,8 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 # Dump directory when the option is not given: turns dumps on without touching code.
 DUMP_ENV_VAR = "DSV41_REPLAY_DUMP"
 
-# The most tokens one step may hold (max_num_batched_tokens, and so every capture size
-# and the trim threshold). The backend sizes a step's metadata for it up front (6
-# int64 per token and the model's view fields, step_metadata.metadata_capacity) and each graph's static buffers
-# for its size; past 2**20 tokens one bf16 activation of a 4096-wide model alone is
-# 8 GiB, so a larger number is a typo that would otherwise surface as an allocation
-# of terabytes.
-MAX_NUM_BATCHED_TOKENS = 2 ** 20
-# The most requests one step may hold: each brings at least one token.
-MAX_NUM_SEQS = MAX_NUM_BATCHED_TOKENS
-_TOKENS_WHY = "MAX_NUM_BATCHED_TOKENS: a step's metadata and graph buffers are sized for its tokens"
-_SEQS_WHY = "MAX_NUM_SEQS: each of a step's requests brings at least one token"
 # The keys whose values are lists (a set is taken too: the list is sorted and deduped).
 LIST_OPTIONS = ("cudagraph_capture_sizes", "decoder_replay_cudagraph_capture_sizes", "splitting_ops")
-
-
-def is_int(val) -> bool:
-    """An integer of any kind (numpy's too), not a bool, a float or a string."""
-    if isinstance(val, bool):
-        return False
-    try:
-        operator.index(val)
-    except TypeError:
-        return False
-    return True
-
-
-def check_size(name: str, val, lo: int = 1, hi: int | None = None, why: str = "") -> int:
-    """``val`` as an int in ``[lo, hi]``, else a ValueError naming ``name``, the value
-    and the limit (and ``why`` that limit): for a size a caller gives, checked where
-    it is given, before anything is allocated from it."""
-    if not is_int(val):
-        raise ValueError(f"{name} must be an integer, got {type(val).__name__} {val!r}")
-    val = operator.index(val)
-    if val < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {val}")
-    if hi is not None and val > hi:
-        raise ValueError(f"{name}={val} is above the limit of {hi}" + (f" ({why})" if why else ""))
-    return val
-
-
-def default_capture_sizes(max_size: int) -> list[int]:
-    """The published PIECEWISE schedule: 1, 2, 4, then multiples of 8 up to 256, then of
-    16, up to ``max_size`` (which is always included)."""
-    max_size = check_size("max_size", max_size, hi=MAX_NUM_BATCHED_TOKENS, why=_TOKENS_WHY)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max_size + 1, 16)]
-    return sorted({s for s in sizes if s <= max_size} | {max_size})
-
-
-def default_replay_capture_sizes(window: int, max_cudagraph_capture_size: int,
-                                 max_num_seqs: int) -> list[int]:
-    """Step W up to 16*W, then 1/8 of each power-of-two interval, up to the bound."""
-    window = check_size("window", window)
-    check_size("max_cudagraph_capture_size", max_cudagraph_capture_size)
-    check_size("max_num_seqs", max_num_seqs)
-    bound = min(max_cudagraph_capture_size, max_num_seqs * window)
-    sizes, s = [], window
-    while s < bound:
-        sizes.append(s)
-        s += max(window, 2 ** (s.bit_length() - 4))
-    sizes.append(bound)
-    return sorted(set(sizes))
-
-
-def padded_size(sizes: list[int] | tuple[int, ...], n: int) -> int | None:
-    """Smallest size >= n, or None when n is above the largest. ``sizes`` ascending: the
-    step path keeps its lists sorted, since sorting 80 sizes per step is host time."""
-    i = bisect.bisect_left(sizes, n)
-    return sizes[i] if i < len(sizes) else None
 
 
 def _as_list(key: str, val) -> tuple:
@@ -173,7 +110,7 @@ class ReplayConfig:
         def bad(key, msg):
             raise ValueError(f"option {key}: {msg}")
 
-        def check_int(key, val, hi=MAX_NUM_BATCHED_TOKENS, why=_TOKENS_WHY, what=""):
+        def check_int(key, val, hi=MAX_NUM_BATCHED_TOKENS, why=TOKENS_WHY, what=""):
             if not is_int(val):
                 bad(key, f"{what}must be an integer, got {type(val).__name__} {val!r}")
             val = operator.index(val)
@@ -192,10 +129,10 @@ class ReplayConfig:
         if not isinstance(self.compiler, str) or self.compiler not in COMPILERS:
             bad("compiler", f"must be one of {COMPILERS}, got {self.compiler!r}")
         # Limits: MAX_NUM_SEQS and MAX_NUM_BATCHED_TOKENS (their comments say why).
-        limits = {"max_num_seqs": (MAX_NUM_SEQS, _SEQS_WHY),
-                  "max_num_batched_tokens": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY),
-                  "decoder_replay_trim_threshold": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY),
-                  "uniform_decode_query_len": (MAX_NUM_BATCHED_TOKENS, _TOKENS_WHY)}
+        limits = {"max_num_seqs": (MAX_NUM_SEQS, SEQS_WHY),
+                  "max_num_batched_tokens": (MAX_NUM_BATCHED_TOKENS, TOKENS_WHY),
+                  "decoder_replay_trim_threshold": (MAX_NUM_BATCHED_TOKENS, TOKENS_WHY),
+                  "uniform_decode_query_len": (MAX_NUM_BATCHED_TOKENS, TOKENS_WHY)}
         for key, (hi, why) in limits.items():
             object.__setattr__(self, key, check_int(key, getattr(self, key), hi, why))
         if self.max_cudagraph_capture_size is not None:
