@@ -148,19 +148,31 @@ def test_bare_torch_compile_with_a_one_token_first_step_names_the_fix():
             compiled(batch.input_ids, batch.positions)
 
 
+def _served_bare(model, capture: bool = True):
+    """``model`` compiled with bare torch.compile, traced on one step of W tokens, and
+    serving (its graphs captured first, or not); returns the compiled model, its server
+    and the traced step's batch."""
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(model)
+    batch = server.setup.dummy_batch(W)
+    _step(compiled, server, batch)
+    be = replay_backend.backend_of(compiled)
+    if capture:
+        be.capture(server.setup)
+    be.start_serving(server.setup)
+    return compiled, server, batch
+
+
+def _step(compiled, server, batch, positions=None):
+    with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
+        return compiled(batch.input_ids, batch.positions if positions is None else positions)
+
+
 def test_a_served_call_out_of_context_or_grad_mode_names_the_cause():
     """Bare torch.compile serves through Dynamo's guards: a call outside the forward
     context is named as such, and one with grad mode on would trace anew: the error
     says why."""
-    model = LlamaSWA(window=W).eval()
-    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
-    server = LlamaServer(model)
-    batch = server.setup.dummy_batch(W)
-    with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
-        compiled(batch.input_ids, batch.positions)
-    be = replay_backend.backend_of(compiled)
-    be.capture(server.setup)
-    be.start_serving()
+    compiled, server, batch = _served_bare(LlamaSWA(window=W).eval())
     with pytest.raises(RuntimeError, match="no forward context is set"):
         with torch.no_grad():
             compiled(batch.input_ids, batch.positions)
@@ -172,21 +184,12 @@ def test_a_served_call_out_of_context_or_grad_mode_names_the_cause():
 def test_a_served_model_traced_again_after_dynamo_reset_names_the_reset():
     """Whatever else the process compiles after the reset, before the model's call:
     Dynamo numbers the frames it compiles in one count, restarted by the reset."""
-    model = LlamaSWA(window=W).eval()
-    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
-    server = LlamaServer(model)
-    batch = server.setup.dummy_batch(W)
-    with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
-        compiled(batch.input_ids, batch.positions)
-    be = replay_backend.backend_of(compiled)
-    be.capture(server.setup)
-    be.start_serving()
+    compiled, server, batch = _served_bare(LlamaSWA(window=W).eval())
     torch._dynamo.reset()
     torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
     torch.compile(lambda x: x - 1, backend="eager")(torch.ones(2))
     with pytest.raises(Exception, match=r"recompile after warm-up \(while serving\): .*torch._dynamo.reset\(\)"):
-        with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
-            compiled(batch.input_ids, batch.positions)
+        _step(compiled, server, batch)
 
 
 class Branchy(LlamaSWA):
@@ -210,21 +213,15 @@ def test_a_served_model_traced_again_names_a_graph_break_or_a_failed_guard(how, 
     """Neither is taken for a reset: the other branch is a frame Dynamo never compiled,
     an int32 position tensor a guard of the traced frame."""
     model = Branchy(window=W).eval()
-    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
-    server = LlamaServer(model)
-    batch = server.setup.dummy_batch(W)
     with counters.expect(strict=False, recompiles=0):  # the code after the break is no recompile
-        with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
-            compiled(batch.input_ids, batch.positions)
-    replay_backend.backend_of(compiled).start_serving(server.setup)
+        compiled, server, batch = _served_bare(model, capture=False)
     positions = batch.positions
     if how == "branch":
         model.switch.fill_(-1.0)
     else:
         positions = positions.to(torch.int32)
     with pytest.raises(Exception, match=r"recompile after warm-up \(while serving\): " + cause):
-        with replay_backend.set_forward_context(server.setup.context(batch)), torch.no_grad():
-            compiled(batch.input_ids, positions)
+        _step(compiled, server, batch, positions)
 
 
 def test_prompt_logprobs_of_a_keep_all_request_in_a_trimming_step_match_the_oracle(model):

@@ -27,14 +27,11 @@ def cmd_decode_bench(args) -> int:
         if tokens > args.max_num_batched_tokens:
             raise ValueError(f"{flag} {tokens}: more tokens than --max-num-batched-tokens="
                              f"{args.max_num_batched_tokens} in one step")
-    if args.trace_dir and not (args.profile_out and args.profile_points):
-        raise ValueError("--trace-dir keeps the traces of the profiled steps: give --profile-out and --profile-points")
     if args.out:
         cli_args.check_file(args.out, "--out")
     if args.profile_out:
         cli_args.check_file(args.profile_out, "--profile-out")
-    if args.trace_dir:
-        cli_args.check_dir(args.trace_dir, "--trace-dir")
+    _check_trace_dir(args, "steps", "--profile-out and --profile-points")
     report = decode_bench.run_decode_bench(args)
     if args.out:
         with open(args.out, "w") as f:
@@ -86,10 +83,18 @@ def _check_bench(args) -> None:
     for flag, path in (("--json", args.json), ("--out", args.out), ("--profile-out", args.profile_out)):
         if path:
             cli_args.check_file(path, flag)
-    if args.trace_dir:
-        if not args.profile_out:
-            raise ValueError("--trace-dir keeps the traces of the profiled points: give --profile-out")
-        cli_args.check_dir(args.trace_dir, "--trace-dir")
+    _check_trace_dir(args, "points", "--profile-out")
+
+
+def _check_trace_dir(args, what: str, flags: str) -> None:
+    """``--trace-dir`` keeps the profiles' traces: refused without a profile (it would keep
+    nothing) and where it cannot be written. ``what`` the command profiles; ``flags`` what
+    asks for profiles (``--profile-points`` has a default in bench, none in decode-bench)."""
+    if not args.trace_dir:
+        return
+    if not (args.profile_out and args.profile_points):
+        raise ValueError(f"--trace-dir keeps the traces of the profiled {what}: give {flags}")
+    cli_args.check_dir(args.trace_dir, "--trace-dir")
 
 
 def cmd_bench(args) -> int:
