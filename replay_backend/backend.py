@@ -22,18 +22,17 @@ from .compat import dynamo as compat_dynamo
 from .fallbacks import Fallback, StrictFallbackError, process_fallback  # noqa: F401  (StrictFallbackError: re-exported)
 from .compiling.piece_cache import PieceCache
 from .config import ReplayConfig
-from .counters import counters
 from .dispatch.agree import tell_failed
 from .dispatch.compiled import CompiledReplayModel
 from .batch import build_step_batch
 from .requests import check_request_types
 from .capture import drive
 from .dispatch.direct import CallLog, run_dummy
-from .forward_context import has_forward_context
 from .lifecycle import Lifecycle, Phase
-from .parallel import check_same_options
+from .parallel import check_groups
 from .passes.region import marked_window
 from .pipeline import build
+from .recompiles import admit_graph
 from .step_metadata import MetadataBuffer, metadata_capacity
 from .step_setup import StepSetup
 
@@ -64,21 +63,8 @@ class ReplayBackend:
             log.warning("%s", note)
         # Identical pieces compile once; pass one cache to several backends to share.
         self.piece_cache = piece_cache if piece_cache is not None else PieceCache()
-        if dp_group is not None:
-            import torch.distributed as dist
-
-            if dist.get_backend(dp_group) != "gloo":
-                raise ValueError(f"ReplayBackend(dp_group=...): a {dist.get_backend(dp_group)} group; the ranks agree "
-                                 "on every step in a host collective, which on a device group would make the host "
-                                 "wait for the device each step: give a CPU group, dist.new_group(ranks, "
-                                 "backend='gloo')")
+        check_groups(self.config, dp_group, tp_group)
         self.dp_group, self.tp_group = dp_group, tp_group
-        if self.config.debug_check_ranks and tp_group is None:
-            log.warning("dsv41_replay: option debug_check_ranks=True has no effect without tensor-parallel ranks "
-                        "(ReplayBackend(tp_group=...)): there is no other rank to compare plans with")
-        for group in (dp_group, tp_group):  # before any trace: a rank with other options is an error now
-            if group is not None:
-                check_same_options(self.config, group)
         self.compiled: list[CompiledReplayModel] = []
         # The code objects these graphs were traced from (compat.dynamo.compiling_frame): a
         # later first compile of one of them means Dynamo's caches were emptied (a reset).
@@ -272,19 +258,7 @@ class ReplayBackend:
         return self.metadata
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> CompiledReplayModel:
-        counters.graphs_seen += 1
-        if self.phase not in (Phase.TRACING, Phase.WARMING):
-            counters.recompiles += 1
-            raise RuntimeError(f"dsv41_replay: recompile after warm-up (while {self.phase.value}): "
-                               f"{self._why_recompile()}")
-        frame = compat_dynamo.compiling_frame()
-        if self.compiled and frame is not None and frame[1]:  # code Dynamo compiles a first time
-            log.info("dsv41_replay: graph %d for this backend, of code after a graph break", len(self.compiled) + 1)
-        elif self.compiled:
-            counters.recompiles += 1
-            log.warning("dsv41_replay: graph %d for this backend (a recompile)", len(self.compiled) + 1)
-        else:  # once per backend, not per graph
-            log.info("dsv41_replay config: %s", self.config.as_dict())
+        frame = admit_graph(self)
         self._check_window(self.setup, marked_window(gm))  # before the compile, which may take minutes
         grad_enabled = torch.is_grad_enabled()  # the traced call's grad mode, a guard of the frame
         model = build(gm, example_inputs, self.config, self.piece_cache, self.dp_group, self.calls,
@@ -298,29 +272,6 @@ class ReplayBackend:
             self.traced_code.add(frame[0])
         self.lifecycle.advance(Phase.WARMING)
         return model
-
-
-    def _why_recompile(self) -> str:
-        """Dynamo traced the model anew: the likely reason, named for the user."""
-        if not has_forward_context():
-            return ("the compiled model was called outside replay_backend.set_forward_context(...): every step "
-                    "runs inside the forward context of its batch")
-        if self.compiled and torch.is_grad_enabled() != self.compiled[0].grad_enabled:
-            return (f"the model was traced with grad mode {'on' if self.compiled[0].grad_enabled else 'off'} and is "
-                    "now called with it " + ("on" if torch.is_grad_enabled() else "off")
-                    + ": run every step under torch.no_grad() or torch.inference_mode()")
-        frame = compat_dynamo.compiling_frame()
-        if frame is not None and frame[1] and frame[0] in self.traced_code:
-            return ("Dynamo compiled the model's code as if for the first time: torch._dynamo.reset() (or "
-                    "torch.compiler.reset()) discarded its compiled code. A backend serves one model traced once: "
-                    "after a reset, compile the model again with a new backend")
-        if frame is not None and frame[1]:
-            return ("Dynamo reached code it had not compiled before: another path after a graph break (a branch on "
-                    "a tensor's value, say; TORCH_LOGS=graph_breaks names it) or another function compiled with "
-                    "this backend. The model must trace once, one graph for every step")
-        return ("one of Dynamo's guards failed (an input's dtype, device or rank, a model attribute, global "
-                "state): the model must trace once, dynamic only in the token count; TORCH_LOGS=recompiles "
-                "names the guard (docs/debugging.md)")
 
 
 def dsv41_replay(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,

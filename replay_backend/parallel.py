@@ -11,6 +11,30 @@ tensor-parallel ranks, which hold the same batch and must decide alike.
 """
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("replay_backend")
+
+
+def check_groups(config, dp_group, tp_group) -> None:
+    """A backend's rank groups, checked when it is made, before any trace: the
+    data-parallel ranks agree on every step in a host collective, so theirs is a CPU
+    group; a rank of either group with other options than its peers is an error now."""
+    if dp_group is not None:
+        import torch.distributed as dist
+
+        if dist.get_backend(dp_group) != "gloo":
+            raise ValueError(f"ReplayBackend(dp_group=...): a {dist.get_backend(dp_group)} group; the ranks agree "
+                             "on every step in a host collective, which on a device group would make the host "
+                             "wait for the device each step: give a CPU group, dist.new_group(ranks, "
+                             "backend='gloo')")
+    if config.debug_check_ranks and tp_group is None:
+        log.warning("dsv41_replay: option debug_check_ranks=True has no effect without tensor-parallel ranks "
+                    "(ReplayBackend(tp_group=...)): there is no other rank to compare plans with")
+    for group in (dp_group, tp_group):
+        if group is not None:
+            check_same_options(config, group)
+
 
 def schedule(model) -> dict:
     """What a compiled model will capture, in the order it will: its sizes and pieces."""

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_phases import WARMUP, Phases, add_samples, build_runner, sync  # noqa: E402
 
-from replay_backend.bench.timing import host_probe  # noqa: E402
+from replay_backend.bench.watch import host_probe  # noqa: E402
 from replay_backend.capture.graphs import PieceRunner  # noqa: E402
 from replay_backend.dispatch.trim_op import ReplayRuntime  # noqa: E402
 from replay_backend.reference import (attention_flashinfer, attention_ops, attention_triton,  # noqa: E402

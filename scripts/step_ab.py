@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from replay_backend.bench.timing import host_probe
+from replay_backend.bench.watch import host_probe
 from replay_backend.bench.cuda_tracing import CudaTracing
 from step_phases import WARMUP, Phases, add_samples, build_runner, floor_ms, floor_step
 

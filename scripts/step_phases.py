@@ -31,8 +31,8 @@ import torch
 from replay_backend import ReplayBackend, ReplayConfig
 from replay_backend.batch import RequestChunk
 from replay_backend.bench.profile import NoKernelsRecorded, kernel_floor_ms
-from replay_backend.bench.run import WIDE_SIZES
-from replay_backend.bench.timing import host_probe
+from replay_backend.bench.modes import WIDE_SIZES
+from replay_backend.bench.watch import host_probe
 from replay_backend.bench.cuda_tracing import CudaTracing
 from replay_backend.dispatch.direct import DirectEntry
 from replay_backend.reference import build_model, preset

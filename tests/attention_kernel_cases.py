@@ -5,7 +5,7 @@ GPU test."""
 import torch
 
 from replay_backend.reference import attention_triton
-from replay_backend.reference.attention_ops import _attend_request
+from replay_backend.reference.attention_reference import attend_request
 
 WINDOW = 32
 MAX_LEN = 1024  # cache rows per request
@@ -42,7 +42,7 @@ def _run_case(device, qlens, seq_lens, floors, ratio, dtype, gen):
     want = torch.empty(qsl[-1], heads, d, dtype=torch.float32, device=device)
     for i, seq_len in enumerate(seq_lens):
         g = glob[base[i] // ratio:base[i] // ratio + seq_len // ratio] if ratio else None
-        want[qsl[i]:qsl[i + 1]] = _attend_request(q[qsl[i]:qsl[i + 1]], swa[base[i]:base[i] + seq_len], g,
+        want[qsl[i]:qsl[i + 1]] = attend_request(q[qsl[i]:qsl[i + 1]], swa[base[i]:base[i] + seq_len], g,
                                                   ratio or 1, seq_len, floors[i], WINDOW, sink, scale)
     outs = {}
     for splits in (None, 1, 2, 3, 6):

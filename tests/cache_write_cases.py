@@ -1,5 +1,5 @@
 """The attention ops' one-launch cache writes (reference/cache_triton.py) against the
-PyTorch reference of the same writes (``index_copy_`` and ``attention_ops._compress``):
+PyTorch reference of the same writes (``index_copy_`` and ``attention_reference.compress_kv``):
 the case shared by the CPU test (under Triton's interpreter, in a child process) and
 the GPU test."""
 import torch
@@ -10,7 +10,8 @@ from replay_backend.batch import build_step_batch
 from replay_backend.kv_cache import CacheLayout
 from replay_backend.reference.kv_caches import KVCaches
 from replay_backend.reference import cache_triton
-from replay_backend.reference.attention_ops import COMP_FIELD, COMP_SLOTS, _compress
+from replay_backend.reference.attention_ops import COMP_FIELD, COMP_SLOTS
+from replay_backend.reference.attention_reference import compress_kv
 
 
 def check_against_reference(device: str) -> None:
@@ -39,7 +40,7 @@ def check_against_reference(device: str) -> None:
             for layer, comp in ((0, None), (1, (kv_c, gate, norm_w)), (3, (kv_c, None, norm_w))):
                 want.swa[layer].index_copy_(0, view.slot_mapping, kv[:t])
                 if comp is not None:
-                    _compress(layer, *comp, view.num_tokens, view.slot_mapping, view.derived[COMP_SLOTS].view(-1),
+                    compress_kv(layer, *comp, view.num_tokens, view.slot_mapping, view.derived[COMP_SLOTS].view(-1),
                               want, cfg.rms_eps)
                     comp = (*comp, got.raw.get(layer), got.glob[layer], view.derived[COMP_SLOTS].view(-1), cfg.rms_eps)
                 cache_triton.write(kv, got.swa[layer], view.slot_mapping, t, comp)

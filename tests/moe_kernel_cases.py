@@ -6,7 +6,7 @@ process) and the GPU test."""
 import torch
 
 from replay_backend.reference import moe_triton
-from replay_backend.reference.layers import MoE
+from replay_backend.reference.moe import MoE
 
 
 def _routings(device: str):

@@ -17,6 +17,7 @@ from conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, check_interpreted, needs_trito
 from replay_backend import RequestChunk, StepRunner, build_model
 from replay_backend.backend import ReplayBackend
 from replay_backend.reference import attention_flashinfer as fi
+from replay_backend.reference import flashinfer_import
 from replay_backend.reference import flashinfer_batches as fb
 from replay_backend.reference import flashinfer_run as fr
 from replay_backend.reference import flashinfer_semantics
@@ -518,9 +519,9 @@ def test_wrappers_are_made_through_flashinfers_api(models, monkeypatch):
     assert all(w.backend == "fa2" and w.workspaces == (att.float_bytes, att.int_bytes) for w in made.values())
     assert made[64].graph_batch == att.graph_batch(64) and made["main"].graph_batch is None
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # installed, but its import fails
-    monkeypatch.setattr(fi, "available", lambda: True)
+    monkeypatch.setattr(flashinfer_import, "available", lambda: True)
     with pytest.raises(ValueError, match="importing flashinfer failed"):
-        fi.check_supported("cuda", torch.bfloat16)
+        flashinfer_import.check_supported("cuda", torch.bfloat16)
 
 
 def _flashinfer_check(monkeypatch, wrapper_class):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from replay_backend.bench import decode as decode_bench
+from replay_backend.bench import modes as bench_modes
 from replay_backend.bench import run as bench
 from replay_backend.bench import report as bench_report
 from replay_backend.bench import timing as bench_timing
@@ -30,7 +31,7 @@ def test_shared_trace_builds_every_mode_from_one_dynamo_trace(model):
                 decoder_replay_trim_threshold=48)
     backends = {"off": ReplayBackend(**opts, decoder_replay=False, cudagraph_mode="none"),
                 "replay": ReplayBackend(**opts)}
-    shared = bench.SharedTrace(backends)
+    shared = bench_modes.SharedTrace(backends)
     fwd = torch.compile(model, backend=shared, fullgraph=True)
     oracle = StepRunner(model, max_model_len=MAX_MODEL_LEN)
     want = oracle.prefill({"p": 90})["p"]
@@ -52,7 +53,7 @@ def test_shared_trace_builds_every_mode_from_one_dynamo_trace(model):
 
 def test_plan_runs_the_stock_peer_last_and_no_graphless_mode_twice():
     args = SimpleNamespace(modes=["reduce-overhead", "replay", "off", "eager"], settings=["default", "wide"])
-    assert bench._plan(args) == [("replay", "default"), ("replay", "wide"), ("off", "default"),
+    assert bench_modes.plan_modes(args) == [("replay", "default"), ("replay", "wide"), ("off", "default"),
                                  ("eager", "default"), ("reduce-overhead", "default")]
 
 
@@ -60,7 +61,7 @@ def test_ungraphed_modes_run_once_when_only_the_wide_setting_is_asked_for():
     """A capture setting changes nothing in a mode without this backend's graphs: it
     runs at the default setting and the wide table shows it, no table of its own."""
     args = SimpleNamespace(modes=["replay", "off", "reduce-overhead"], settings=["wide"])
-    assert bench._plan(args) == [("replay", "wide"), ("off", "default"), ("reduce-overhead", "default")]
+    assert bench_modes.plan_modes(args) == [("replay", "wide"), ("off", "default"), ("reduce-overhead", "default")]
     report = {"preset": "mini-2k", "dtype": "torch.bfloat16", "device": "GPU", "torch": "2.11",
               "runs": 10, "warmup": 1, "max_num_batched_tokens": 16384,
               "floor_ms": {"wide": {"131072/1": 3400.0}},
@@ -245,12 +246,12 @@ def test_max_seconds_counts_from_the_start_and_keeps_the_stock_peer_from_startin
 
 
 def test_model_options_take_one_layer_id_as_a_list_of_one():
-    cfg = bench._model_config(SimpleNamespace(preset="tiny", model_option=["kv_source_layer_ids=1", "num_layers=4"]))
+    cfg = bench_modes.model_config_of(SimpleNamespace(preset="tiny", model_option=["kv_source_layer_ids=1", "num_layers=4"]))
     assert cfg.kv_source_layer_ids == (1,) and cfg.num_layers == 4
     with pytest.raises(ValueError, match="--model-option no_such_field: not a model config field; the fields are name,"):
-        bench._model_config(SimpleNamespace(preset="tiny", model_option=["no_such_field=1"]))
+        bench_modes.model_config_of(SimpleNamespace(preset="tiny", model_option=["no_such_field=1"]))
     with pytest.raises(ValueError, match="--model-option: invalid ModelConfig: window must be an integer, got 'x'"):
-        bench._model_config(SimpleNamespace(preset="tiny", model_option=["window=x"]))
+        bench_modes.model_config_of(SimpleNamespace(preset="tiny", model_option=["window=x"]))
 
 
 def _refuse_peer(compile_fn):
@@ -271,7 +272,7 @@ def test_check_prompt_is_the_shortest_isl_capped():
 def test_bench_options_may_not_override_what_modes_decide():
     args = SimpleNamespace(option=["cudagraph_mode=none"], max_num_batched_tokens=128)
     with pytest.raises(ValueError, match="--option cudagraph_mode"):
-        bench._backend_config("replay", "default", args)
+        bench_modes.backend_config("replay", "default", args)
 
 
 def test_a_mode_that_fails_leaves_the_rotation_and_the_others_are_measured():

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from replay_backend.batch import RequestChunk, kept_len
 from replay_backend.reference.compare import max_abs_err, max_abs_err_kv, replay_kv_slots
-from replay_backend.reference import attention_ops
+from replay_backend.reference import attention_reference
 from replay_backend.reference.prompts import schedule_prefill
 from replay_backend.reference.runner import StepRunner
 
@@ -178,12 +178,12 @@ def test_off_and_parent_agree_on_random_compositions(model, reqs):
 # The floor is what makes trimming exact, and the oracle is batch-independent
 # --------------------------------------------------------------------------------------
 def _without_floor(monkeypatch):
-    real = attention_ops._attend_request
+    real = attention_reference.attend_request
 
     def unfloored(q, swa, glob, ratio, seq_len, floor, window, sink, scale):
         return real(q, swa, glob, ratio, seq_len, 0, window, sink, scale)
 
-    monkeypatch.setattr(attention_ops, "_attend_request", unfloored)
+    monkeypatch.setattr(attention_reference, "attend_request", unfloored)
 
 
 def test_removing_the_floor_changes_the_result(make_runner, monkeypatch):

@@ -8,10 +8,10 @@ import torch
 
 from replay_backend import RequestChunk, StepRunner, build_model, preset
 from replay_backend.backend import ReplayBackend
-from replay_backend.bench.run import WIDE_SIZES
+from replay_backend.bench.modes import WIDE_SIZES
 from replay_backend.reference.compare import kept_kv, max_abs_err, max_abs_err_kv, within_band
 from replay_backend.counters import counters
-from replay_backend.reference import attention_flashinfer
+from replay_backend.reference import attention_flashinfer, flashinfer_import
 
 import flashinfer_merge_cases
 
@@ -187,7 +187,7 @@ def test_no_recompiles_and_no_memory_growth(model):
 
 
 def test_grouped_moe_matches_dense():
-    from replay_backend.reference.layers import MoE
+    from replay_backend.reference.moe import MoE
 
     gen = torch.Generator().manual_seed(0)
     moe = MoE(256, 8, 2, 128, 128, gen, impl="grouped").to("cuda", torch.bfloat16)
@@ -205,7 +205,7 @@ def test_moe_kernels_match_the_pytorch_ops_to_the_bit(monkeypatch):
     PyTorch ops."""
     from moe_kernel_cases import check_against_reference
     from replay_backend.reference import moe_triton
-    from replay_backend.reference.layers import MoE
+    from replay_backend.reference.moe import MoE
 
     check_against_reference("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -256,7 +256,7 @@ def test_mhc_mix_ops_under_inductor_match_eager():
 def test_grouped_moe_under_inductor_matches_eager():
     """The grouped MoE op inside an Inductor-compiled graph (as in every piece of a bf16
     CUDA model) against the same module run eagerly."""
-    from replay_backend.reference.layers import MoE
+    from replay_backend.reference.moe import MoE
 
     gen = torch.Generator().manual_seed(0)
     moe = MoE(256, 8, 2, 128, 128, gen, impl="grouped").to("cuda", torch.bfloat16)
@@ -376,7 +376,7 @@ def test_serving_soak_at_the_real_window_has_no_mismatch():
 
 
 # ---- attention_impl="flashinfer" (skipped where FlashInfer is not installed) ---------
-needs_flashinfer = pytest.mark.skipif(not attention_flashinfer.available(), reason="FlashInfer is not installed")
+needs_flashinfer = pytest.mark.skipif(not flashinfer_import.available(), reason="FlashInfer is not installed")
 # Floors below, inside and above a chunk's rows, prompts from position 0; the last two
 # with 100+ rows that see no key or only a few (beyond one of FlashInfer's key tiles).
 FLOORED = [

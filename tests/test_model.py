@@ -12,19 +12,18 @@ from replay_backend.forward_context import ForwardContext, set_forward_context
 from replay_backend.kv_cache import CacheLayout
 from replay_backend.reference.kv_caches import KVCaches
 from replay_backend.reference import PRESETS, build_model, preset
-from replay_backend.reference import attention_ops
-from replay_backend.reference.attention_ops import rms_norm
+from replay_backend.reference import attention_ops, attention_reference
+from replay_backend.reference.attention_reference import rms_norm
 from replay_backend.reference.layers import (
     HyperConnection,
-    MoE,
     apply_rope,
     hc_collapse,
     hc_merge,
     mm_fp32,
     rope_angles,
-    route,
     sinkhorn,
 )
+from replay_backend.reference.moe import MoE, route
 
 from conftest import small_config
 
@@ -336,7 +335,7 @@ ATTN_CASES = [
 def test_attend_request_matches_naive(n, seq_len, ratio, with_glob, floor, window):
     q, swa, glob, sink = _rand_attn_inputs(n, seq_len, ratio, with_glob, seed=n + seq_len)
     scale = q.shape[-1] ** -0.5
-    got = attention_ops._attend_request(q, swa, glob, ratio, seq_len, floor, window, sink, scale)
+    got = attention_reference.attend_request(q, swa, glob, ratio, seq_len, floor, window, sink, scale)
     ref = naive_attention(q, swa, glob, ratio, seq_len, floor, window, sink, scale)
     assert got.shape == q.shape
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
@@ -345,8 +344,8 @@ def test_attend_request_matches_naive(n, seq_len, ratio, with_glob, floor, windo
 def test_floor_changes_rows_it_binds():
     q, swa, glob, sink = _rand_attn_inputs(40, 60, 1, True, seed=21)
     s = 8 ** -0.5
-    a = attention_ops._attend_request(q, swa, glob, 1, 60, 0, 16, sink, s)
-    b = attention_ops._attend_request(q, swa, glob, 1, 60, 44, 16, sink, s)
+    a = attention_reference.attend_request(q, swa, glob, 1, 60, 0, 16, sink, s)
+    b = attention_reference.attend_request(q, swa, glob, 1, 60, 44, 16, sink, s)
     # the last row reads [44, 59] either way; the row at position 50 loses keys 35..43
     torch.testing.assert_close(a[-1], b[-1])
     assert (a[50 - 20] - b[50 - 20]).abs().max() > 1e-3
@@ -366,8 +365,8 @@ def test_floor_changes_rows_it_binds():
 def test_attend_request_row_blocks(monkeypatch, n, seq_len, ratio, floor):
     q, swa, glob, sink = _rand_attn_inputs(n, seq_len, ratio, True, seed=31 + n)
     s = q.shape[-1] ** -0.5
-    whole = attention_ops._attend_request(q, swa, glob, ratio, seq_len, floor, 16, sink, s)
-    monkeypatch.setattr(attention_ops, "_SCORE_BUDGET", 1)  # -> blocks of 16 rows
+    whole = attention_reference.attend_request(q, swa, glob, ratio, seq_len, floor, 16, sink, s)
+    monkeypatch.setattr(attention_reference, "_SCORE_BUDGET", 1)  # -> blocks of 16 rows
     calls = []
     real_einsum = torch.einsum
 
@@ -376,8 +375,8 @@ def test_attend_request_row_blocks(monkeypatch, n, seq_len, ratio, floor):
             calls.append(args[0].shape[0])
         return real_einsum(eq, *args)
 
-    monkeypatch.setattr(attention_ops.torch, "einsum", counting_einsum)
-    split = attention_ops._attend_request(q, swa, glob, ratio, seq_len, floor, 16, sink, s)
+    monkeypatch.setattr(attention_reference.torch, "einsum", counting_einsum)
+    split = attention_reference.attend_request(q, swa, glob, ratio, seq_len, floor, 16, sink, s)
     monkeypatch.undo()
     assert len(calls) == math.ceil(n / 16) and sum(calls) == n
     ref = naive_attention(q, swa, glob, ratio, seq_len, floor, 16, sink, s)
@@ -393,7 +392,7 @@ def test_attend_request_long_prefill_default_budget():
     g = _gen(71)
     q = torch.randn(n, nh, 8, generator=g)
     swa, glob = torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)
-    out = attention_ops._attend_request(q, swa, glob, 1, n, n - W, W, torch.zeros(nh), 8 ** -0.5)
+    out = attention_reference.attend_request(q, swa, glob, 1, n, n - W, W, torch.zeros(nh), 8 ** -0.5)
     assert out.shape == q.shape and torch.isfinite(out).all()
     # spot-check the last rows against the naive reference
     ref = naive_attention(q[-3:], swa, glob, 1, n, n - W, W, torch.zeros(nh), 8 ** -0.5)
@@ -407,7 +406,7 @@ def test_attend_request_long_prefill_default_budget():
 def test_model_step_with_row_blocks(monkeypatch, make_runner, prompt):
     """A whole model step gives the same logits with the attention split in row blocks."""
     whole = make_runner().step([RequestChunk("a", prompt, prompt), RequestChunk("b", 5, 5)]).logits
-    monkeypatch.setattr(attention_ops, "_SCORE_BUDGET", 1)
+    monkeypatch.setattr(attention_reference, "_SCORE_BUDGET", 1)
     split = make_runner().step([RequestChunk("a", prompt, prompt), RequestChunk("b", 5, 5)]).logits
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 

@@ -21,17 +21,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..backend import ReplayBackend
-from ..compat import inductor as compat_inductor
 from ..compiling.piece_cache import PieceCache
 from ..config import ReplayConfig
 from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
 from ..requests import RequestChunk
-from ..tracing.dynamic import call_dynamic
 from .cuda_tracing import CudaTracing
 from .profile import NoKernelsRecorded, kernel_floor_ms, profile_to
-from .run import bench_model
-from .timing import sync
+from .modes import bench_model, stock_peer
+from .watch import sync
 
 OURS = {"piecewise": {"cudagraph_mode": "piecewise"},
         "full_and_piecewise": {"cudagraph_mode": "full_and_piecewise"}}
@@ -115,10 +113,7 @@ def _build(mode: str, model, kw: dict, args, cache: PieceCache) -> Mode:
     run = DecodeRun(mode)
     t0 = time.perf_counter()
     if mode == PEER:
-        torch._dynamo.reset()
-        peer = torch.compile(model, options=compat_inductor.reduce_overhead_options())
-        runner = StepRunner(model, forward=lambda ids, pos: call_dynamic(peer, (ids, pos), False, ids, pos), **kw)
-        runner.run(runner.dummy_batch(model.cfg.window))
+        runner = stock_peer(model, kw)
     else:
         opts = {**OURS[mode], "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": kw["max_num_seqs"]}
         runner = StepRunner(model, backend=ReplayBackend(ReplayConfig.from_options(opts), piece_cache=cache), **kw)

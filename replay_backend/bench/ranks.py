@@ -5,7 +5,7 @@ what every rank must decide alike.
 Every collective inside a step meets only if every rank runs the same steps in the
 same order, so nothing that decides the bench's control flow may be one rank's own:
 the ``--max-seconds`` checks are agreed over a host (gloo) group of every rank
-(timing.Deadline), and a mode that fails on one rank ends the run (run.py says why).
+(watch.Deadline), and a mode that fails on one rank ends the run (run.py says why).
 """
 from __future__ import annotations
 

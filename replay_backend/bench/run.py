@@ -11,8 +11,6 @@ stock ``reduce-overhead`` peer runs after them on its own.
 """
 from __future__ import annotations
 
-import copy
-import gc
 import json
 import statistics
 import time
@@ -20,29 +18,19 @@ from dataclasses import asdict
 
 import torch
 
-from ..compat import inductor as compat_inductor
 from ..backend import ReplayBackend
-from ..reference.accuracy import CHECK, yardstick
-from .report import MODES, UNGRAPHED, render  # noqa: F401  (bench.render: the CLI's and tests')
-from ..tracing.dynamic import call_dynamic
-from .flops import measured_peak, point_flops
-from .timing import Deadline, ModeRun, TimedMode, host_probe, sync, time_points
-from ..reference.cli_options import model_config, parse_options
-from ..reference.compare import max_abs_err
-from ..config import ReplayConfig
-from ..reference import build_model
 from ..compiling.piece_cache import PieceCache
-from ..reference.parallel import shard
+from ..reference.accuracy import CHECK, yardstick
+from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
+from .flops import measured_peak, point_flops
+from .modes import (MODE_OPTIONS, SharedTrace, backend_config, bench_model, build_mode, plan_modes,
+                    prepare_mode, release)
+from .report import MODES, render  # noqa: F401  (bench.MODES, bench.render: the CLI's and tests')
+from .timing import ModeRun, TimedMode, time_points
+from .watch import Deadline, host_probe
 from .ranks import Ranks, agreement_us
 
-MODE_OPTIONS = {
-    "off": {"cudagraph_mode": "none", "decoder_replay": False},
-    "parent": {"cudagraph_mode": "none", "cudagraph_decoder_replay": False},
-    "piecewise": {"cudagraph_decoder_replay": False},
-    "replay": {},
-}
-WIDE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 # The check prompt (every mode against the plain model and an fp32 copy) is the
 # shortest ISL up to this many tokens: long enough to trim, while 128K-token check
 # prompts (eager plain model, fp32 copy, every mode) kept the GPU bench from reaching
@@ -50,133 +38,9 @@ WIDE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 163
 CHECK_MAX_TOKENS = 4096
 
 
-class _Dynamic:
-    """A stock torch.compile'd model called like the runner calls ours (one trace)."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def __call__(self, ids, pos):
-        return call_dynamic(self.fn, (ids, pos), False, ids, pos)
-
-
-class SharedTrace:
-    """One Dynamo trace for every backend mode: the trace (the slow part of compiling a
-    40-layer model) hands its graph to each mode's backend, and calls run the model of
-    the mode selected now. Only the bench needs this; a server runs one mode."""
-
-    def __init__(self, backends: dict[str, ReplayBackend]) -> None:
-        self.backends = backends
-        self.current: str | None = None
-        self.build_s: dict[str, float] = {}
-
-    def __call__(self, gm, example_inputs):
-        for key, be in self.backends.items():
-            t0 = time.perf_counter()
-            be(copy.deepcopy(gm), example_inputs)
-            self.build_s[key] = time.perf_counter() - t0
-        return self.step
-
-    def step(self, *args):
-        return self.backends[self.current].model(*args)
-
-
-def _model_config(args):
-    return model_config(args.preset, getattr(args, "model_option", None))
-
-
-# What each mode and the wide setting decide; --option may not set these.
-_MODE_KEYS = {k for opts in MODE_OPTIONS.values() for k in opts} | {
-    "max_num_batched_tokens", "max_cudagraph_capture_size", "cudagraph_capture_sizes"}
-
-
-def _backend_config(mode: str, setting: str, args) -> ReplayConfig:
-    opts = parse_options(getattr(args, "option", None))
-    clash = sorted(set(opts) & _MODE_KEYS)
-    if clash:
-        raise ValueError(f"--option {clash[0]}: set by the bench's modes and capture settings, not an option")
-    opts.update(MODE_OPTIONS[mode], max_num_batched_tokens=args.max_num_batched_tokens)
-    if setting == "wide" and opts.get("cudagraph_mode") != "none":
-        opts.update(max_cudagraph_capture_size=args.max_num_batched_tokens,
-                    cudagraph_capture_sizes=[s for s in WIDE_SIZES if s <= args.max_num_batched_tokens])
-    return ReplayConfig.from_options(opts)
-
-
-def _plan(args) -> list[tuple[str, str]]:
-    """(mode, setting) in the order given, the stock peer last. Modes without graphs of
-    this backend run once, at the default setting, whichever settings were asked for."""
-    order = []
-    for mode in args.modes:
-        for setting in ["default"] if mode in UNGRAPHED else args.settings:
-            order.append((mode, setting))
-    # The stock peer last: it resets Dynamo, which drops the shared trace.
-    return sorted(order, key=lambda ms: ms[0] == "reduce-overhead")
-
-
-def _release() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _build(key: str, model, kw: dict, shared: SharedTrace, shared_fwd) -> tuple[StepRunner, float]:
-    """A runner for this backend's mode ``key``, its model built: the shared forward's
-    first call traces once and builds every mode. Returns it and the seconds of its
-    first step (the trace and builds, when it was the first)."""
-    shared.current = key
-    runner = StepRunner(model, forward=shared_fwd, backend=shared.backends[key], **kw)
-    t0 = time.perf_counter()
-    runner.run(runner.dummy_batch(model.cfg.window), use_graphs=False)
-    sync()
-    return runner, time.perf_counter() - t0
-
-
-def _prepare(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, device: str):
-    """A runner for ``run``'s mode, compiled and captured. Returns it and, for the first
-    of this backend's modes, the seconds of the shared Dynamo trace (else None)."""
-    key = f"{run.mode}/{run.setting}"
-    if run.mode == "eager":
-        return StepRunner(model, **kw), None
-    if run.mode == "reduce-overhead":
-        torch._dynamo.reset()  # our modes are done; the peer traces on its own
-        peer = torch.compile(model, options=compat_inductor.reduce_overhead_options())
-        runner = StepRunner(model, forward=_Dynamic(peer), **kw)
-        t0 = time.perf_counter()
-        runner.run(runner.dummy_batch(model.cfg.window))
-        sync()
-        run.compile_s = time.perf_counter() - t0
-        return runner, None
-    first = not shared.build_s
-    runner, secs = _build(key, model, kw, shared, shared_fwd)
-    traced = secs - sum(shared.build_s.values()) if first else None
-    run.compile_s = shared.build_s[key]
-    be = runner.backend
-    if not be.config.graphs_enabled:
-        runner.start_serving()  # nothing to capture: served steps as in the graphed modes
-        return runner, traced
-    if device == "cuda":
-        run.memory_estimate_gib = runner.estimate_graph_memory().total_gib
-    run.capture = runner.capture()
-    run.split_warmup_s = runner.split_warmup_s
-    for level, c in run.capture.items():
-        print(f"{key}: captured {level} graphs: {c['graphs']} graphs over {c['sizes']} sizes, "
-              f"{c['seconds']:.1f} s, {c['gib']:.2f} GiB", flush=True)
-    return runner, traced
-
-
 def check_tokens(shapes) -> int:
     """The check prompt's length for the bench's (isl, conc) points."""
     return min(min(isl for isl, _ in shapes), CHECK_MAX_TOKENS)
-
-
-def bench_model(args, ranks=None):
-    """The benchmark model: bf16 on CUDA, float32 on the CPU, this rank's share of it
-    over several ranks; returns it and its device."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(_model_config(args), device, torch.bfloat16 if device == "cuda" else torch.float32)
-    if ranks is not None:  # every rank builds the same model (same seed), then keeps its share
-        shard(model, ranks.parallel)
-    return model, device
 
 
 def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ranks | None = None) -> dict:
@@ -200,7 +64,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     dtype = next(model.parameters()).dtype
     kw = dict(max_num_seqs=max(args.conc), max_model_len=max(max(args.isl), model.cfg.window) + 2,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    plan = _plan(args)
+    plan = plan_modes(args)
     check_len = check_tokens(shapes)
     t0 = time.perf_counter()
     reference = StepRunner(model, **kw).prefill({CHECK: check_len})[CHECK]
@@ -214,7 +78,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     print(f"measured dense {str(dtype).replace('torch.', '')} matmul rate: {peak / 1e12:.1f} TFLOP/s", flush=True)
     cache = PieceCache()  # identical pieces compile once
     groups = ranks.backend_groups if ranks is not None else {}
-    shared = SharedTrace({f"{m}/{s}": ReplayBackend(_backend_config(m, s, args), piece_cache=cache, **groups)
+    shared = SharedTrace({f"{m}/{s}": ReplayBackend(backend_config(m, s, args), piece_cache=cache, **groups)
                           for m, s in plan if m in MODE_OPTIONS})
     shared_fwd = torch.compile(model, backend=shared, fullgraph=True)
     results: list[ModeRun] = []
@@ -248,7 +112,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
         run = ModeRun(mode, setting)
         results.append(run)
         try:
-            runner, traced = _prepare(run, model, kw, shared, shared_fwd, device)
+            runner, traced = prepare_mode(run, model, kw, shared, shared_fwd, device)
             trace_s = trace_s if traced is None else traced
             # Same answer as the plain model on one prompt: a fast wrong mode is no result.
             got = runner.prefill({CHECK: check_len})[CHECK]
@@ -285,7 +149,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
                   flush=True)
     ours.clear()
     shared.backends.clear()  # their graphs and buffers go before the peer compiles
-    _release()
+    release()
     for ms in plan:
         if ms[0] == "reduce-overhead":  # it resets Dynamo, so it comes last and alone
             if deadline.passed():  # its compile alone takes minutes
@@ -296,7 +160,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
             if peer is not None:
                 time_points([peer], shapes, deadline, args, device, floors, trim_host_us, done=save)
             peer = None
-            _release()
+            release()
     for run in results:
         print(json.dumps(asdict(run)), flush=True)
     return report()
@@ -306,9 +170,9 @@ def compile_only(args) -> dict:
     """Trace and build the default ``replay`` mode once: run it twice in fresh processes
     for cold and warm (Inductor's on-disk caches filled) compile times."""
     model, _ = bench_model(args)
-    shared = SharedTrace({"replay": ReplayBackend(_backend_config("replay", "default", args))})
+    shared = SharedTrace({"replay": ReplayBackend(backend_config("replay", "default", args))})
     kw = dict(max_num_seqs=max(args.conc), max_model_len=2 * model.cfg.window,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    _, total = _build("replay", model, kw, shared, torch.compile(model, backend=shared, fullgraph=True))
+    _, total = build_mode("replay", model, kw, shared, torch.compile(model, backend=shared, fullgraph=True))
     build = shared.build_s["replay"]
     return {"preset": args.preset, "compile_s": total, "build_s": build, "trace_s": total - build}

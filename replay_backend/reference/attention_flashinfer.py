@@ -23,42 +23,13 @@ those plans by its view's graph size (``_plans_of``), with no host code to point
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import torch
 
 from ..fallbacks import process_fallback
-from . import flashinfer_compat
+from . import flashinfer_compat, flashinfer_import
 from .flashinfer_batches import PartSets, global_part, layout_of, padded, swa_part
 from .flashinfer_run import PLAN, PLANS, Planned
 from .flashinfer_staging import TURNS, SlotStaging, Wrapper
-
-
-def available() -> bool:
-    """Whether flashinfer-python is installed. It is imported only by a runner that uses
-    it: the import takes seconds, and a broken install must not break the other kernels."""
-    return importlib.util.find_spec("flashinfer") is not None
-
-
-def _flashinfer():
-    try:
-        return importlib.import_module("flashinfer")
-    except Exception as e:  # noqa: BLE001 - installed but not importable, for any reason
-        raise ValueError(f"attention_impl='flashinfer': importing flashinfer failed: {type(e).__name__}: {e}") from e
-
-
-def check_supported(device: torch.device, dtype: torch.dtype) -> None:
-    """Raise a ValueError naming what rules out ``attention_impl="flashinfer"`` here."""
-    if not available():
-        raise ValueError("attention_impl='flashinfer' needs the flashinfer-python package: "
-                         "pip install 'dsv41-replay[gpu]' (docs/configuration.md)")
-    _flashinfer()
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"attention_impl='flashinfer' runs on CUDA only, the model is on {device}")
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"attention_impl='flashinfer' needs a bfloat16 or float16 model, got {dtype} "
-                         "(FlashInfer's prefill kernels have no fp32 variant)")
 
 
 # FlashInfer splits a plan's keys across programs to fill the GPU whatever the keys per
@@ -304,7 +275,7 @@ class FlashInferAttention:
     def _flashinfer_wrapper(self, graph_buffers: dict | None):
         # fa2: FlashInfer's kernels with CUDA-graph plans, sliding windows and page size 1.
         kw = {} if graph_buffers is None else dict(use_cuda_graph=True, **graph_buffers)
-        w = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
+        w = flashinfer_import.load().BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
         # Its own int workspace (8 MiB, and as much pinned) is sized for any plan; this
         # model's plans need far less, and a runner holds two wrappers per replay size.
         w.reset_workspace_buffer(self.workspace, torch.empty(self.int_bytes, dtype=torch.uint8, device=self.device))

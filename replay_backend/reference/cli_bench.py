@@ -11,6 +11,7 @@ import torch
 
 from ..bench import decode as decode_bench
 from ..bench.decode_report import render as render_decode
+from ..bench import modes as bench_modes
 from ..bench import ranks as bench_ranks
 from ..bench import run as bench
 from . import cli_args
@@ -72,9 +73,9 @@ def _check_bench(args) -> None:
     for impl in args.attention or []:
         model_config(args.preset, [*args.model_option, f"attention_impl={impl}"])
     for mode in args.modes:
-        if mode in bench.MODE_OPTIONS:
+        if mode in bench_modes.MODE_OPTIONS:
             for setting in args.settings:
-                config = bench._backend_config(mode, setting, args)
+                config = bench_modes.backend_config(mode, setting, args)
                 if config.decoder_replay:  # as the first trace would, after minutes of building
                     config.check_window(cfg.window)
     longest = max(max(args.isl), cfg.window) + 2

@@ -14,8 +14,8 @@ from ..tracing.boundary import replay_begin, replay_end
 from . import attention_ops  # noqa: F401  (registers the dsv41:: ops)
 from .config import ModelConfig
 from .parallel import tp_all_reduce
-from .layers import (MoE, HyperConnection, RMSNorm, _param, apply_rope, branch_std, hc_collapse, hc_merge,
-                     rope_angles)
+from .layers import HyperConnection, RMSNorm, _param, apply_rope, branch_std, hc_collapse, hc_merge, rope_angles
+from .moe import MoE
 
 
 class Attention(nn.Module):

@@ -1,4 +1,4 @@
-"""Triton kernels for the grouped MoE's permutation and combine (``layers._moe_grouped``).
+"""Triton kernels for the grouped MoE's permutation and combine (``moe._moe_grouped``).
 
 The grouped GEMMs take the (token, expert) pairs sorted by expert. In PyTorch that is a
 stable sort, a division for each pair's source row and a search for the group ends;

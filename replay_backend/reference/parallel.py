@@ -132,7 +132,8 @@ def tp_all_reduce(x: torch.Tensor, parallel: Parallel | None) -> torch.Tensor:
 
 def _dep_moe(x: torch.Tensor, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
              first_expert: int, top_k: int, group: str) -> torch.Tensor:
-    from .layers import local_experts, mm_fp32, route
+    from .layers import mm_fp32
+    from .moe import local_experts, route
 
     every = collectives.all_gather_rows(x.contiguous(), group)  # every DP rank's rows, rank order
     top_w, top_i = route(torch.softmax(mm_fp32(every, router), dim=-1), top_k)

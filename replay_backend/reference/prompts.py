@@ -1,10 +1,13 @@
-"""A runner's prompts: each request's deterministic tokens, and whole prompts cut into
-chunked-prefill steps within a token budget."""
+"""A runner's prompts: each request's deterministic tokens and the log-probabilities a
+step gives them, and whole prompts cut into chunked-prefill steps within a token
+budget."""
 from __future__ import annotations
 
 import zlib
 
 import torch
+
+from ..step_metadata import to_device
 
 
 class PromptTokens:
@@ -32,6 +35,23 @@ class PromptTokens:
             return self(req_id, start, end)
         seed = self._seed(req_id)
         return [(t + seed) % self.vocab for t in self._by_position[start:end]]
+
+    def logprobs(self, batch, hidden: torch.Tensor, compute_logits) -> dict:
+        """Each keep-all request of ``batch`` (a ``StepBatch``): the log-probability each
+        of its rows of ``hidden`` gives the prompt token at the next position, where the
+        cache has room for it ([rows] fp32). Such a request is never trimmed, so every
+        one of its rows holds its result."""
+        out = {}
+        qsl = batch.view.query_start_loc
+        for i, r in enumerate(batch.requests):
+            if not r.keep_all:
+                continue
+            nxt = self(r.req_id, r.context_len + 1, min(r.seq_len + 1, len(self._by_position)))
+            rows = hidden[qsl[i]:qsl[i] + nxt.shape[0]]
+            lp = torch.log_softmax(compute_logits(rows).float(), dim=-1)
+            # pinned and asynchronous: a served step never waits for the GPU
+            out[r.req_id] = lp.gather(1, to_device(nxt, lp.device)[:, None])[:, 0]
+        return out
 
     def _seed(self, req_id) -> int:
         return zlib.crc32(str(req_id).encode()) * 2654435761 % self.vocab

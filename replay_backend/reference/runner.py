@@ -28,11 +28,11 @@ from .blocks import RequestBlocks
 from .prompts import PromptTokens, schedule_prefill
 from . import attention_ops
 from . import attention_triton
-from .attention_flashinfer import FlashInferAttention, check_supported
+from .attention_flashinfer import FlashInferAttention
+from .flashinfer_import import check_supported
 from .dsv41_mini import DSv41Mini
 from ..config import MAX_NUM_BATCHED_TOKENS, check_size
 from ..serving import ReplayCompiled, StepSetup
-from ..step_metadata import to_device
 
 log = logging.getLogger("replay_backend")
 
@@ -176,22 +176,7 @@ class StepRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if not batch.pad_writes:  # the cache now holds each request's chunk, in its block (checked above)
             self.blocks.ran(batch.requests)
-        return StepOutput(logits, batch, ctx.result, self._prompt_logprobs(batch, hidden))
-
-    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict:
-        """Each keep-all request's log-probabilities of its next prompt tokens (every
-        row of such a request holds its result: it is never trimmed)."""
-        out = {}
-        qsl = batch.view.query_start_loc
-        for i, r in enumerate(batch.requests):
-            if not r.keep_all:
-                continue
-            nxt = self.tokens(r.req_id, r.context_len + 1, min(r.seq_len + 1, self.layout.max_model_len))
-            rows = hidden[qsl[i]:qsl[i] + nxt.shape[0]]
-            lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            # pinned and asynchronous: a served step never waits for the GPU
-            out[r.req_id] = lp.gather(1, to_device(nxt, lp.device)[:, None])[:, 0]
-        return out
+        return StepOutput(logits, batch, ctx.result, self.tokens.logprobs(batch, hidden, self.model.compute_logits))
 
     def step(self, requests: Iterable[RequestChunk], eager_replay: str = "off",
              forward: Callable | None = None) -> StepOutput:
