@@ -15,6 +15,8 @@
 #                               repository root, no ':' in it; scripts/ab_tree.sh makes one of a
 #                               commit) instead of this checkout: an A/B on one machine
 #   check:SECONDS:ARGS          python3 scripts/flashinfer_check.py ARGS (after wheels)
+#   probe:SECONDS:ARGS          python3 scripts/graph_launch_probe.py ARGS (a CUDA graph's launch
+#                               against its kernels' time, by kernel count and graphs per step)
 # ARGS split into words as a shell splits them (quotes group words); e.g.
 #   bash scripts/gpu_run.sh $OUT tests:300 \
 #       "soak:560:--preset mini-2k --dtype bfloat16 --steps 500 --seed 2 --max-seconds 420"
@@ -65,9 +67,10 @@ for step in "$@"; do
                        'import replay_backend; print(replay_backend.__file__)')"
                fi ;;
         check) cmd=(python3 scripts/flashinfer_check.py "${argv[@]}") ;;
+        probe) cmd=(python3 scripts/graph_launch_probe.py --json "$out/probe$n.json" "${argv[@]}") ;;
         pytest) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider "${argv[@]}") ;;
         decode) cmd=(replay-backend decode-bench --out "$out/decode$n.json" "${argv[@]}") ;;
-        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, decode)" >&2
+        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, probe, decode)" >&2
            exit 2 ;;
     esac
     log="$out/$kind$n.log"

@@ -83,3 +83,39 @@ def test_step_phases_times_a_served_step_of_a_real_runner(monkeypatch):
     times = phases.full("a")
     assert phases.launch is not None and times["full"] > 0
     torch._dynamo.reset()
+
+
+def _launch_probe(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import graph_launch_probe
+
+    return graph_launch_probe
+
+
+def test_graph_launch_probe_refuses_a_graph_without_kernels(monkeypatch, capsys):
+    import pytest
+
+    probe = _launch_probe(monkeypatch)
+    with pytest.raises(SystemExit):
+        probe.parse_args(["--nodes", "4,64", "--chunks", "1,8"])
+    assert "--chunks 8 exceeds --nodes 4" in capsys.readouterr().err
+    assert probe.parse_args(["--nodes", "64", "--chunks", "1,8"]).chunks == [1, 8]
+
+
+def test_graph_launch_probe_splits_its_kernels_over_the_graphs(monkeypatch):
+    """Every split runs the same kernels: one replay of the K graphs adds N, whatever K
+    (with N not a multiple of K too)."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    probe = _launch_probe(monkeypatch)
+    for n, k in ((10, 1), (10, 3), (7, 7)):
+        x = torch.zeros(8, device="cuda")
+        graphs = probe.capture(n, k, x)
+        assert len(graphs) == k
+        before = x[0].item()
+        for g in graphs:
+            g.replay()
+        assert x[0].item() - before == n
