@@ -14,7 +14,7 @@ from ..tracing.boundary import replay_begin, replay_end
 from . import attention_ops  # noqa: F401  (registers the dsv41:: ops)
 from .config import ModelConfig
 from .parallel import tp_all_reduce
-from .layers import HyperConnection, RMSNorm, _param, apply_rope, branch_std, hc_collapse, hc_merge, rope_angles
+from .layers import HyperConnection, RMSNorm, apply_rope, branch_std, hc_collapse, hc_merge, init_param, rope_angles
 from .moe import MoE
 
 
@@ -25,22 +25,22 @@ class Attention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.kind = cfg.layer_kind(layer)
         self.norm = RMSNorm(h, cfg.rms_eps)
-        self.wq_a = _param(gen, cfg.q_lora_rank, h, std=h ** -0.5)
+        self.wq_a = init_param(gen, cfg.q_lora_rank, h, std=h ** -0.5)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
-        self.wq_b = _param(gen, nh * hd, cfg.q_lora_rank, std=cfg.q_lora_rank ** -0.5)
-        self.wkv = _param(gen, hd, h, std=h ** -0.5)
+        self.wq_b = init_param(gen, nh * hd, cfg.q_lora_rank, std=cfg.q_lora_rank ** -0.5)
+        self.wkv = init_param(gen, hd, h, std=h ** -0.5)
         self.kv_norm = RMSNorm(hd, cfg.rms_eps)
-        self.sink = _param(gen, nh, std=1.0)
+        self.sink = init_param(gen, nh, std=1.0)
         per_group = nh // cfg.o_groups * hd
         self.heads, self.groups = nh, cfg.o_groups  # this rank's (parallel.py)
         self.parallel = None
-        self.wo_a = _param(gen, cfg.o_groups, per_group, cfg.o_lora_rank, std=per_group ** -0.5)
-        self.wo_b = _param(gen, h, cfg.o_groups * cfg.o_lora_rank,
+        self.wo_a = init_param(gen, cfg.o_groups, per_group, cfg.o_lora_rank, std=per_group ** -0.5)
+        self.wo_b = init_param(gen, h, cfg.o_groups * cfg.o_lora_rank,
                            std=branch_std(cfg.num_layers) * (cfg.o_groups * cfg.o_lora_rank) ** -0.5)
         if self.kind == "source":
             self.ratio = cfg.compress_ratio(layer)
-            self.wc_kv = _param(gen, hd, h, std=h ** -0.5)
-            self.wc_gate = _param(gen, hd, h, std=h ** -0.5) if self.ratio == 2 else None
+            self.wc_kv = init_param(gen, hd, h, std=h ** -0.5)
+            self.wc_gate = init_param(gen, hd, h, std=h ** -0.5) if self.ratio == 2 else None
             self.comp_norm = RMSNorm(hd, cfg.rms_eps)
 
     def shard(self, p) -> None:
@@ -114,10 +114,10 @@ class DSv41Mini(nn.Module):
         super().__init__()
         self.cfg = cfg
         gen = torch.Generator().manual_seed(cfg.seed)
-        self.embed = _param(gen, cfg.vocab_size, cfg.hidden_size, std=1.0)
+        self.embed = init_param(gen, cfg.vocab_size, cfg.hidden_size, std=1.0)
         self.layers = nn.ModuleList(Block(cfg, i, gen) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.head = _param(gen, cfg.vocab_size, cfg.hidden_size, std=cfg.hidden_size ** -0.5)
+        self.head = init_param(gen, cfg.vocab_size, cfg.hidden_size, std=cfg.hidden_size ** -0.5)
 
     def _sublayer(self, hc: HyperConnection, fn, state, prev_pre):
         hidden, residual, post, comb = state

@@ -11,7 +11,7 @@ from . import sinkhorn_triton
 from .attention_reference import rms_norm
 
 
-def _param(gen: torch.Generator, *shape: int, std: float) -> nn.Parameter:
+def init_param(gen: torch.Generator, *shape: int, std: float) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape, generator=gen) * std, requires_grad=False)
 
 
@@ -116,7 +116,7 @@ class HyperConnection(nn.Module):
         # from token to token (a small projection). With mixes of order one per token
         # the stream is chaotic over 80 sublayers: a rounding step at the embedding
         # moves the last logits by tens of percent (docs/design.md).
-        self.weight = _param(gen, n, hc * hidden, std=MIX_PROJECTION_STD * (hc * hidden) ** -0.5)
+        self.weight = init_param(gen, n, hc * hidden, std=MIX_PROJECTION_STD * (hc * hidden) ** -0.5)
         bias = torch.randn(n, generator=gen) * 0.5
         bias[2 * hc:] += COMB_DIAGONAL * torch.eye(hc).flatten()
         self.bias = nn.Parameter(bias, requires_grad=False)

@@ -8,7 +8,7 @@ from torch import nn
 from ..oplib import define_op
 from ..passes.roles import declare_row_local
 from . import moe_triton
-from .layers import _param, mm_fp32
+from .layers import init_param, mm_fp32
 from .parallel import dep_moe, tp_all_reduce
 
 
@@ -49,11 +49,11 @@ class MoE(nn.Module):
                  out_std: float = 1.0) -> None:
         super().__init__()
         self.top_k, self.impl, self.permute_impl = top_k, impl, permute_impl
-        self.router = _param(gen, n_exp, hidden, std=hidden ** -0.5)
-        self.w_gate_up = _param(gen, n_exp, 2 * inter, hidden, std=hidden ** -0.5)
-        self.w_down = _param(gen, n_exp, hidden, inter, std=out_std * inter ** -0.5)
-        self.s_gate_up = _param(gen, 2 * shared, hidden, std=hidden ** -0.5)
-        self.s_down = _param(gen, hidden, shared, std=out_std * shared ** -0.5)
+        self.router = init_param(gen, n_exp, hidden, std=hidden ** -0.5)
+        self.w_gate_up = init_param(gen, n_exp, 2 * inter, hidden, std=hidden ** -0.5)
+        self.w_down = init_param(gen, n_exp, hidden, inter, std=out_std * inter ** -0.5)
+        self.s_gate_up = init_param(gen, 2 * shared, hidden, std=hidden ** -0.5)
+        self.s_down = init_param(gen, hidden, shared, std=out_std * shared ** -0.5)
         # 0..E-1: the grouped path finds each expert's end in the sorted pairs (not state).
         self.register_buffer("expert_ids", torch.arange(n_exp), persistent=False)
         # Over several ranks (parallel.py): this rank's experts are first_expert onwards.
