@@ -236,7 +236,7 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
     lens = [x.shape[0] for x in parts]
     grown = None
     if graph_rows is not None:
-        grown = GraphPadding(graph_rows, t, layout)
+        grown = GraphPadding(graph_rows, t, layout, len(requests))
         parts = grown.pad(parts, fields)
     placed = aligned_fields(parts, device, metadata)
     real = [x[:n] for x, n in zip(placed, lens)]
@@ -274,10 +274,15 @@ def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, 
     attention reads (whatever they hold: the outputs are thrown away). ``graph_rows``
     and ``metadata``: as ``build_step_batch``'s (a FULL graph's capture);
     ``per_request``: requests of this many tokens each (a uniform decode's, which may
-    be longer than the window: a FULL graph's step never trims)."""
-    w = min(per_request or window, layout.max_model_len - context)
+    be longer than the window: a FULL graph's step never trims). Laid out for FULL
+    graphs, the requests are as many as served batches may be (the cache's blocks) at
+    the most, longer than the window where they must be: the layout holds that many."""
+    room = layout.max_model_len - context
+    w = min(per_request or window, room)
     if w < 1:
         raise ValueError(f"context={context} leaves no room in max_model_len={layout.max_model_len}")
+    if graph_rows is not None and per_request is None:
+        w = max(w, min(-(-num_tokens // min(graph_rows, layout.num_blocks)), room))
     reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s) + (context if i == 0 else 0))
             for i, s in enumerate(range(0, num_tokens, w))]
     return build_step_batch(reqs, [[0] * r.query_len for r in reqs], [0] * len(reqs), layout, window, device,

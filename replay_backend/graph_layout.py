@@ -70,11 +70,16 @@ class GraphPadding:
     """The rows a graph layout adds after a step's ``t`` own: token 0 at position 0,
     writing the pad slot, as padded rows do in every graph."""
 
-    def __init__(self, rows: int, t: int, layout: CacheLayout) -> None:
+    def __init__(self, rows: int, t: int, layout: CacheLayout, requests: int) -> None:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < t:
             raise ValueError(f"graph_rows={rows!r}: the graph layout must hold the step's {t} tokens")
         self.rows, self.t, self.layout = rows, t, layout
         self.max_requests = min(rows, layout.num_blocks)
+        # Per-request parts past their capacity would move every later field: the graph
+        # would read them where another step's lie.
+        if requests > self.max_requests:
+            raise ValueError(f"graph_rows={rows}: a graph layout holds at most {self.max_requests} requests (its "
+                             f"rows, or the cache's {layout.num_blocks} blocks), the step has {requests}")
 
     def pad(self, parts: list[torch.Tensor], fields) -> list[torch.Tensor]:
         """Every part at its capacity for ``rows`` tokens: the count and rows, ids,

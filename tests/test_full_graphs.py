@@ -457,6 +457,46 @@ def test_full_runs_steps_below_the_threshold_full_and_a_trimming_step_eagerly(mo
         same_step(got, want, rc, ro)
 
 
+@pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])
+def test_full_sizes_beyond_max_num_seqs_windows_are_captured_and_served(model, mode):
+    """Two cache blocks and FULL sizes up to 48 tokens, three windows (W = 16): capture's
+    dummy step at 48 must fit the two requests the graph layout holds, as served
+    batches do, or every later step at that size reads metadata where the graph does
+    not and is refused."""
+    opts = dict(OPTS, cudagraph_mode=mode, cudagraph_capture_sizes=[8, 48], max_num_seqs=2, strict=True)
+    rc = StepRunner(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=2, backend=ReplayBackend(**opts))
+    ro = StepRunner(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
+    assert rc.capture()["full"]["graphs"] == 2
+    for step, padded in [([R("a", 20, 20)], 48), ([R("a", 1, 21), R("b", 40, 40)], 48), ([R("a", 1, 22)], 8)]:
+        got, want = rc.step(step), ro.step(step)
+        assert (got.result.kind, got.result.padded_tokens) == (FULL, padded), step
+        same_step(got, want, rc, ro)
+
+
+def test_a_full_size_no_served_batch_reaches_is_left_out(model):
+    """One cache block of 32 positions: no served batch holds more than 32 tokens, so
+    the FULL size 48 is left out of capture (its dummy step could not be laid out as a
+    served one) and the sizes below it serve."""
+    opts = dict(OPTS, cudagraph_mode="full", cudagraph_capture_sizes=[8, 32, 48], max_num_seqs=1, strict=True)
+    rc = StepRunner(model, max_model_len=32, max_num_seqs=1, backend=ReplayBackend(**opts))
+    ro = StepRunner(model, max_model_len=32, max_num_seqs=1)
+    assert rc.capture()["full"]["graphs"] == 2
+    assert rc.backend.model.full_policy.sizes == (8, 32)
+    got, want = rc.step([R("a", 30, 30)]), ro.step([R("a", 30, 30)])
+    assert (got.result.kind, got.result.padded_tokens) == (FULL, 32)
+    same_step(got, want, rc, ro)
+
+
+def test_a_graph_layout_refuses_more_requests_than_it_holds():
+    """A graph layout holds as many requests as the cache has blocks: a batch of more
+    would move every later field, so it is refused, naming the count."""
+    layout = replay_backend.CacheLayout(64, 2)
+    reqs = [R(f"r{i}", 2, 2) for i in range(3)]
+    with pytest.raises(ValueError, match="holds at most 2 requests .* the step has 3"):
+        build_step_batch(reqs, [[0, 0]] * 3, [0, 0, 0], layout, 16, "cpu", pad_writes=True, graph_rows=8)
+    assert build_step_batch(reqs[:2], [[0, 0]] * 2, [0, 1], layout, 16, "cpu", graph_rows=8).graph.rows == 8
+
+
 def test_a_uniform_decode_policy_that_no_full_size_holds_is_a_counted_fallback():
     """Attention that runs only uniform decodes inside a FULL graph, of more tokens than
     any capture size: no FULL graph, said with the reason, and steps run in pieces."""

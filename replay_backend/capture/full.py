@@ -129,7 +129,7 @@ def full_capture_step(model, setup, metadata, policy) -> Callable[[int], None] |
 
     if policy is None:
         return None
-    shapes = policy.dummy_shapes(setup.layout.num_blocks)
+    shapes = policy.dummy_shapes(setup.layout.num_blocks, setup.layout.max_model_len)
     if not shapes:
         model.res.fallback(Fallback.CUDAGRAPH_MODE, f"no FULL size {list(policy.sizes)} holds a batch of uniform "
                            f"decodes of {policy.uniform_len} tokens, so no step runs as a FULL graph (the sizes "

@@ -49,15 +49,18 @@ class FullPolicy:
         buffer, at the graphs' rows."""
         return batch.graph.rows == self.rows and batch.metadata is self.metadata
 
-    def dummy_shapes(self, max_requests: int) -> dict[int, tuple[int, int | None]]:
+    def dummy_shapes(self, max_requests: int, max_model_len: int) -> dict[int, tuple[int, int | None]]:
         """For each FULL size a batch that pads to it and that this policy takes, as
         ``size -> (tokens, tokens per request)`` (None: any split), for capture's dummy
-        steps. A uniform-only policy needs a uniform decode of at most ``max_requests``
-        requests; a size that none pads to is left out (no served batch reaches it)."""
+        steps: at most ``max_requests`` requests of at most ``max_model_len`` tokens, as
+        served batches hold. A size that no such batch pads to is left out (no served
+        batch reaches it)."""
         shapes, below = {}, 0
         for size in self.sizes:
             if not self.uniform_only:
-                shapes[size] = (size, None)
+                tokens = min(size, max_requests * max_model_len)
+                if tokens > below:
+                    shapes[size] = (tokens, None)
             else:
                 q = self.uniform_len
                 k = min(size // q, max_requests)
