@@ -12,6 +12,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from .common import is_op, layers_of, op_name, op_tags
+from .roles import OpRole, roles_of
 
 
 @dataclass
@@ -117,6 +118,13 @@ def input_sources(split: fx.GraphModule, infos) -> dict[str, tuple[str, ...]]:
 
     return {n.target: tuple(describe(a) for a in n.args) for n in split.graph.nodes
             if n.op == "call_module" and n.target in kinds and kinds[n.target].kind == "graph"}
+
+
+def unsplit_attention(nodes, splitting_ops) -> list[str]:
+    """The declared attention ops (passes/roles.py) called by ``nodes`` that are not
+    splitting ops, so would run inside a graph piece."""
+    return sorted({op_name(n.target) for n in nodes if n.op == "call_function"
+                   and OpRole.ATTENTION in roles_of(n.target) and op_name(n.target) not in splitting_ops})
 
 
 def step_dependent_ops(gm: fx.GraphModule, splitting_ops, step_tags: tuple, exempt: frozenset = frozenset()

@@ -27,7 +27,7 @@ from .ops import BEGIN, END, TRIM
 from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, find_markers, marked_window
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
-from .passes.split import input_sources, live_across, split_at_ops, step_dependent_ops
+from .passes.split import input_sources, live_across, split_at_ops, step_dependent_ops, unsplit_attention
 from .plan import SplitPlan
 from .tracing.generic import admit_every_token_count
 
@@ -87,6 +87,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     # Attention breaks and KV sources as the model declared them (passes/roles.py),
     # unless the options name the splitting ops.
     splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)
+    _refuse_unsplit_attention_in_replay_layers(gm, splitting)
     region, off_reason = _find_region(gm, cfg, splitting, res)
     graph_sizes = _main_sizes(gm, cfg, splitting, res) if graphs else []
     main_sizes = graph_sizes if cfg.piecewise_graphs else []
@@ -159,6 +160,19 @@ def _left_in_main(gm: fx.GraphModule) -> frozenset:
         return frozenset()
     nodes = list(gm.graph.nodes)
     return frozenset(nodes[nodes.index(markers[0]) + 1:nodes.index(markers[1])])
+
+
+def _refuse_unsplit_attention_in_replay_layers(gm: fx.GraphModule, splitting) -> None:
+    """Attention in the replay layers applies each request's replay floor in every step,
+    which it learns from the view a splitting op is pointed at (the trim op's, or
+    RegionAttention's where the region stays in the main graph). Left inside a piece it
+    would read the whole batch's view and attend below the floor: wrong, in every mode."""
+    found = unsplit_attention(_left_in_main(gm), splitting)
+    if found:
+        raise ValueError(f"option splitting_ops leaves out {', '.join(found)}, declared attention in the replay "
+                         "layers (between replay_begin and replay_end): attention there applies the replay floor "
+                         f"only as a splitting op. Add it to splitting_ops (now {list(splitting)}), or leave the "
+                         "option unset (every declared attention op)")
 
 
 def _main_sizes(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphResources) -> list[int]:

@@ -600,6 +600,24 @@ def test_a_step_dependent_op_left_out_of_splitting_ops_is_refused_when_pieces_ar
     assert "option splitting_ops: dsv41::source_attention read(s) per-step state" in err, info.value
 
 
+@pytest.mark.parametrize("options", [dict(cudagraph_mode="none"), dict(cudagraph_mode="piecewise"),
+                                     dict(decoder_replay=False)])
+def test_attention_in_the_replay_layers_left_out_of_splitting_ops_is_refused(model, fresh_dynamo, options):
+    """The replay layers' attention applies the replay floor, which only a splitting op
+    learns (the view it is pointed at): left inside a piece, it attends below the floor
+    and the step is wrong, with graphs or without, so the build refuses it by name."""
+    from replay_backend import RequestChunk, StepRunner
+    from replay_backend.backend import ReplayBackend
+    from replay_backend.compat.dynamo import user_error
+
+    be = ReplayBackend(compiler="eager", max_cudagraph_capture_size=64, decoder_replay_trim_threshold=32,
+                       splitting_ops=["dsv41::source_attention"], **options)
+    with pytest.raises(Exception) as info:
+        StepRunner(model, max_model_len=256, backend=be).step([RequestChunk("a", 20, 20)])
+    err = str(user_error(info.value))
+    assert "option splitting_ops leaves out dsv41::global_attention, declared attention in the replay layers" in err, err
+
+
 def _with_named_dim_twins(original):
     """``get_signature_for_torch_op`` as torch versions that also list each op's
     named-dimension overload (``mean(x, dim: str[])`` beside ``mean(x, dim: int[])``) give it."""
