@@ -33,6 +33,7 @@ class Fallback(str, enum.Enum):
     ROW_MOVES_KERNEL = "row_moves_kernel"  # the trim op's gathers run as torch ops, not the kernel
     TRITON_LAUNCH_LAYOUT = "triton_launch_layout"  # kernels launch through Triton's own path
     CUDAGRAPH_MODE = "cudagraph_mode"  # fewer FULL graphs than the mode asks: the attention cannot run in them
+    NUMBER_CHANGED = "number_changed"  # a Python number differs from the one the graphs hold: no graphs
 
 
 class StrictFallbackError(RuntimeError):

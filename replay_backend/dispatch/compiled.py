@@ -152,11 +152,21 @@ class CompiledReplayModel:
                                  f"{batch.num_tokens} tokens: call the model with that batch's input_ids and "
                                  "positions under its own context")
 
-    def decide(self, ctx, num_tokens: int) -> StepPlan:
+    def decide(self, ctx, num_tokens: int, args=()) -> StepPlan:
         """The step's one decision (dispatch/decide.py), made before it runs, agreed with
         the data-parallel ranks (agree.py); while the main graphs are captured every rank
-        captures the same size, and nothing needs agreeing."""
+        captures the same size, and nothing needs agreeing. ``args``: the step's, whose
+        Python numbers must be the ones its graphs hold (step_inputs.py)."""
         use_graphs = ctx is None or ctx.use_graphs
+        if use_graphs and self.cfg.graphs_enabled and (changed := self.inputs.changed_number(args)):
+            try:
+                self.res.fallback(Fallback.NUMBER_CHANGED, f"a Python number Dynamo passes as a tensor changed "
+                                  f"since the first call ({changed}); captured graphs hold its first value, so "
+                                  "this step runs without graphs. Pass a value that changes as a tensor on the "
+                                  "model's device, or keep it constant")
+            except StrictFallbackError as e:
+                self.fail_step(e)
+            use_graphs = False
         batch = ctx.batch if ctx is not None else None
         policy = self.full_policy
         full = policy is not None and batch is not None and batch.graph is not None
@@ -202,13 +212,13 @@ class CompiledReplayModel:
         if not self.token_inputs:
             return self.split_gm(*args), None
         t = args[self.token_inputs[0]].shape[0]
-        plan = self.decide(ctx, t)
+        plan = self.decide(ctx, t, args)
         if ctx is not None:
             ctx.plan, ctx.replay_runtime = plan, self.replay
-        if plan.kind is StepKind.EAGER and plan.padded_tokens == t:
+        if plan.kind is StepKind.EAGER and plan.padded_tokens == t and plan.replay_padded is None:
             return self.split_gm(*args), plan
-        if plan.kind is StepKind.EAGER:  # padded to the largest data-parallel rank's tokens
-            return self._eager_padded(args, t, plan.padded_tokens), plan
+        if plan.kind is StepKind.EAGER:  # padded to the largest rank's tokens, or its region in graphs
+            return self._eager_padded(args, t, plan), plan
         tp = plan.padded_tokens
         new = self._padded(args, t, tp)
         graph = ctx.batch.graph if ctx is not None else None
@@ -245,9 +255,11 @@ class CompiledReplayModel:
         """The step's arguments in the fixed buffers, padded to ``tp`` rows."""
         return self.inputs.padded(args, t, tp)
 
-    def _eager_padded(self, args, t: int, tp: int) -> tuple:
-        """A step without graphs on ``tp`` rows, ``t`` of them real."""
-        out = self.split_gm(*self.inputs.eager_padded(args, tp))
+    def _eager_padded(self, args, t: int, plan: StepPlan) -> tuple:
+        """A step whose main layers run without graphs, on the plan's padded rows, ``t``
+        of them real."""
+        new = self.inputs.eager_padded(args, plan.padded_tokens, plan.replay_padded is not None)
+        out = self.split_gm(*new)
         return tuple(o[:t] if isinstance(o, torch.Tensor) else o for o in out)
 
     # ---- capture --------------------------------------------------------------------

@@ -1,7 +1,14 @@
 """A graphed step's inputs in fixed buffers: captured graphs read fixed addresses, so
 every step's token inputs are copied into one buffer each, padded with zero rows (token
-0 at position 0, whose writes go to the pad slot), and its 0-dim tensor arguments into
-fixed scalars."""
+0 at position 0, whose writes go to the pad slot), and its 0-dim device tensors into
+fixed ones.
+
+Python numbers are another matter. Dynamo passes them (under ``dynamic=True``) as fresh
+0-dim host tensors, which a kernel takes by value when it is launched, or which the
+graph turns into host numbers (``.item()``): a captured graph holds the value it saw at
+capture, whatever the step passes. So the first call's values are pinned, every graph
+reads them (one fixed tensor each), and a step that passes another value cannot run
+graphs (:meth:`StepInputs.changed_number`)."""
 from __future__ import annotations
 
 import torch
@@ -21,23 +28,43 @@ class StepInputs:
         self.token_inputs, self.sym_inputs, self.rows = token_inputs, sym_inputs, rows
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
-        # Python numbers as fresh 0-dim tensors on every call, copied into fixed ones per
-        # graphed step. Never a model's own 0-dim buffer: a step that updates it in place
-        # (a step counter) must update the buffer itself, not a copy.
+        # Never a model's own 0-dim buffer: a step that updates it in place (a step
+        # counter) must update the buffer itself, not a copy.
         self.numbers = number_inputs
-        self.scalar_inputs: tuple[int, ...] = ()
+        self.scalar_inputs: tuple[int, ...] = ()  # 0-dim device tensors, copied per step
         self.scalars: dict[int, torch.Tensor] = {}
+        self.pinned: dict[int, torch.Tensor] = {}  # host numbers: the first call's, one tensor each
+        self._pinned_values: tuple = ()
 
     def find_scalars(self, args) -> None:
-        """The 0-dim tensor arguments copied per step, from the first call's: the trace's
-        numbers, or where the trace does not say, every 0-dim tensor but a parameter."""
+        """The 0-dim arguments from the first call's: the trace's numbers (host values,
+        pinned), or where the trace does not say, every 0-dim tensor but a parameter (on
+        the host pinned, on a device copied per step)."""
         known = self.numbers
-        self.scalar_inputs = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
-                                   and (i in known if known is not None else not isinstance(a, torch.nn.Parameter)))
+        zero_dim = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
+                    and (i in known if known is not None else not isinstance(a, torch.nn.Parameter))]
+        self.pinned = {i: args[i].clone() for i in zero_dim if args[i].device.type == "cpu"}
+        self._pinned_values = tuple(t.item() for t in self.pinned.values())
+        self.scalar_inputs = tuple(i for i in zero_dim if i not in self.pinned)
+
+    def changed_number(self, args) -> str | None:
+        """Where a host number of ``args`` differs from its pinned value, which every
+        graph holds: the first such input and both values (None: all as pinned)."""
+        if not self.pinned:
+            return None
+        values = tuple(args[i].item() for i in self.pinned)
+        if values == self._pinned_values:
+            return None
+        k = next(k for k, (a, b) in enumerate(zip(values, self._pinned_values)) if a != b)
+        return f"input {list(self.pinned)[k]}: {self._pinned_values[k]!r} -> {values[k]!r}"
+
+    def _pin(self, new: list) -> None:
+        for i, fixed in self.pinned.items():
+            new[i] = fixed
 
     def padded(self, args, t: int, tp: int) -> list:
         """``args`` with the token inputs (``t`` rows) in their buffers of ``rows`` rows,
-        padded to ``tp``, and the fixed scalars."""
+        padded to ``tp``, the 0-dim device tensors in fixed ones and the pinned numbers."""
         new = list(args)
         for i in self.token_inputs:
             x = args[i]
@@ -64,14 +91,20 @@ class StepInputs:
             else:
                 fixed.copy_(args[i])
             new[i] = fixed
+        self._pin(new)
         return new
 
-    def eager_padded(self, args, tp: int) -> list:
+    def eager_padded(self, args, tp: int, graphed_region: bool) -> list:
         """``args`` with zero rows appended to the token inputs, up to ``tp`` rows: a step
-        without graphs padded to the data-parallel ranks' agreed size."""
+        whose main layers run without graphs, padded to the data-parallel ranks' agreed
+        size; ``graphed_region``: its replay region runs graphs, which read the pinned
+        numbers."""
         new = list(args)
         for i in self.token_inputs:
-            new[i] = pad_rows(args[i], tp)
+            if args[i].shape[0] != tp:
+                new[i] = pad_rows(args[i], tp)
         for i in self.sym_inputs:
             new[i] = tp
+        if graphed_region:
+            self._pin(new)
         return new
