@@ -287,6 +287,36 @@ def test_attention_that_cannot_run_in_a_full_graph_downgrades_to_pieces_as_a_cou
             assert result.kind is PIECEWISE and err <= 1e-5, (step, result, err)
 
 
+def test_a_full_only_mode_whose_sizes_all_trim_says_so(model):
+    """cudagraph_mode='full' with every capture size at or above the trim threshold: no
+    FULL graph, and capture's nothing_captured fallback names the sizes and the
+    threshold; the steps still run right, eagerly."""
+    opts = dict(cudagraph_mode="full", cudagraph_capture_sizes=[64, 128])
+    rc, ro = runner(model, **opts), runner(model)
+    with counters.expect(strict=False, fallbacks={"nothing_captured": 1}):
+        rc.capture()
+    got, want = rc.step([R("a", 20, 20)]), ro.step([R("a", 20, 20)])
+    assert got.result.kind is EAGER
+    same_step(got, want, rc, ro)
+    with pytest.raises(StrictFallbackError, match=r"FULL graphs alone, which run only steps that never trim, and "
+                       r"every capture size \[64, 128\] is at or above decoder_replay_trim_threshold=64"):
+        runner(model, strict=True, **opts).capture()
+
+
+def test_a_full_only_mode_whose_attention_cannot_says_so(caplog):
+    """The same where the attention cannot run inside a FULL graph: the fallback points
+    at the attention's own (counted) cudagraph_mode fallback."""
+    with counters.expect(strict=False, fallbacks={"nothing_captured": 1, "cudagraph_mode": 1}), \
+            caplog.at_level("WARNING", logger="replay_backend"):
+        server, summary, oracle = toy_served("never", cudagraph_mode="full")
+    assert "FULL graphs alone, and the model's attention cannot run in one (the cudagraph_mode fallback says " \
+           "why)" in caplog.text
+    result, err = toy_step(server, oracle, [R("a", 5, 5)])
+    assert result.kind is EAGER and err <= 1e-5
+    with pytest.raises(StrictFallbackError, match="cudagraph_mode"):
+        toy_served("never", cudagraph_mode="full", strict=True)
+
+
 def test_the_downgrade_is_decided_and_counted_once():
     """The memory estimate and capture both need the policy: the first decides it (and
     counts a downgrade), the second takes it as decided."""

@@ -101,8 +101,12 @@ def why_no_graphs(be) -> str:
     if not model.token_inputs:
         return "the model step was traced without a dynamic token count"
     if not cfg.piecewise_graphs:  # FULL graphs alone; a policy with sizes captures them all
-        return (f"cudagraph_mode={cfg.cudagraph_mode!r} takes FULL graphs alone, and none was possible (the "
-                "cudagraph_mode fallback says why)")
+        mode = f"cudagraph_mode={cfg.cudagraph_mode!r} takes FULL graphs alone"
+        if not cfg.full_capture_sizes(model.replay is not None):
+            return (f"{mode}, which run only steps that never trim, and every capture size {cfg.capture_sizes()} "
+                    f"is at or above decoder_replay_trim_threshold={cfg.decoder_replay_trim_threshold}: give "
+                    "capture sizes below it")
+        return f"{mode}, and the model's attention cannot run in one (the cudagraph_mode fallback says why)"
     if not model.main_level.sizes:
         return f"no main graph size (the plan: {model.plan.replay_off_reason or 'main graphs refused'})"
     return "every piece ran eagerly"
