@@ -167,6 +167,17 @@ def test_token_ids_that_are_not_integers_are_refused(ids, match):
         build_step_batch([R("a", 1, 3), R("b", 1, 3)], ids, [0, 1], LAYOUT, 16, "cpu")
 
 
+@pytest.mark.parametrize("ids, match", [
+    ([torch.tensor([[1, 2, 3]])], r"token_ids\[0\] is a 2-D torch.int64 tensor"),  # one row of three: not 1 id
+    ([torch.tensor([[1], [2], [3]])], r"token_ids\[0\] is a 2-D torch.int64 tensor"),
+    ([torch.tensor(3)], r"token_ids\[0\] is a 0-D torch.int64 tensor"),
+    ([7], r"token_ids\[0\] is of type int: give a request's token ids as a list"),
+])
+def test_token_ids_of_the_wrong_shape_are_refused_by_their_kind_not_their_length(ids, match):
+    with pytest.raises(ValueError, match=match):
+        build_step_batch([R("a", 3, 3)], ids, [0], LAYOUT, 16, "cpu")
+
+
 # --------------------------------------------------------------------------------------
 # Other compositions
 # --------------------------------------------------------------------------------------
