@@ -49,7 +49,8 @@ def notes(cfg) -> list[str]:
         if key in given and asking and off is not None:
             notes.append(f"dsv41_replay: option {key}={getattr(cfg, key)!r} has no effect with {off[0]} "
                          f"({off[1]})")
-    if "metadata_in_place" in given and cfg.metadata_in_place:
+    # FULL graphs read their steps' metadata in the buffer too: the option matters to them.
+    if "metadata_in_place" in given and cfg.metadata_in_place and not cfg.full_graphs:
         no_io = ("trim_io_graphs=False", "the trim op's gathers stay eager ops") if not cfg.trim_io_graphs \
             else None
         off = next((sw for sw in (*replay, no_io) if sw is not None), None)

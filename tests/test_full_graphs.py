@@ -714,3 +714,11 @@ def test_no_note_calls_an_option_moot_that_changes_the_full_sizes(mode, key, val
     a, b = (ReplayConfig.from_options({**OPTS, "cudagraph_mode": mode, key: v}) for v in values)
     assert a.full_capture_sizes(True) != b.full_capture_sizes(True)
     assert not [n for n in a.notes() if f"option {key}=" in n and "has no effect" in n], a.notes()
+
+
+@pytest.mark.parametrize("mode", ["full", "full_decode_only", "full_and_piecewise"])
+def test_no_note_calls_metadata_in_place_moot_where_full_graphs_read_the_buffer(mode):
+    """metadata_in_place=False takes every FULL graph away (a FULL graph reads its steps'
+    metadata in the backend's buffer), so =True is never moot with FULL graphs on."""
+    cfg = ReplayConfig.from_options({**OPTS, "cudagraph_mode": mode, "metadata_in_place": True})
+    assert not [n for n in cfg.notes() if "metadata_in_place" in n], cfg.notes()
