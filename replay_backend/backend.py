@@ -296,6 +296,9 @@ def backend_of(compiled) -> ReplayBackend:
     if isinstance(getattr(compiled, "backend", None), ReplayBackend):  # replay_backend.compile's, a StepRunner
         return compiled.backend
     state = compat_dynamo.compile_call_state_of(compiled)
+    given = compat_dynamo.compile_call_backend(compiled)
+    if state is None and isinstance(given, ReplayBackend):  # torch.compile(model, backend=ReplayBackend(...))
+        return given
     if state is None:
         raise ValueError("backend_of: no dsv41_replay backend state behind this object: compile a module with "
                          "torch.compile(model, backend='dsv41_replay') and run one step through it first. If it ran "

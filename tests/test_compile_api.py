@@ -55,6 +55,15 @@ def test_torch_compile_by_name_keeps_one_backend_per_call_and_counts_recompiles(
         first(torch.randn(3, 8, dtype=torch.float64), torch.arange(3))
 
 
+@torch.no_grad()
+def test_backend_of_finds_the_backend_object_torch_compile_was_given():
+    be = replay_backend.ReplayBackend(**EAGER)
+    compiled = torch.compile(Toy().eval(), backend=be, dynamic=True)
+    assert backend_of(compiled) is be  # before any step too: the object was given
+    compiled(*_inputs(4))
+    assert backend_of(compiled) is be and len(be.compiled) == 1
+
+
 def test_backend_of_names_what_is_missing():
     with pytest.raises(ValueError, match="no dsv41_replay backend state"):
         backend_of(torch.compile(Toy(), backend="dsv41_replay"))  # compiled lazily: nothing yet

@@ -200,6 +200,13 @@ def compile_call_state_of(compiled) -> Any:
     return getattr(call, _STATE_ATTR, None) if call is not None else None
 
 
+def compile_call_backend(compiled) -> Any:
+    """The backend a ``torch.compile`` call was given (``backend=...``: an object, or the
+    function a name stands for), or None where torch does not keep it so."""
+    call = compile_call_of(compiled)
+    return getattr(call, "compiler_fn", None) if call is not None else None
+
+
 def custom_op_name(op) -> str | None:
     """``namespace::name`` of what ``torch.library.custom_op`` returned, else None."""
     kind = getattr(getattr(torch, "library", None), "CustomOpDef", None)
