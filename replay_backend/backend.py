@@ -6,7 +6,7 @@
 backend does the same with an object in hand. It holds the graphs compiled for that
 call (each built by ``pipeline.build``: split -> compile -> graphs -> dispatch), their
 piece cache and their lifecycle: capture, start of serving, recompiles counted and
-refused once serving.
+refused once serving (recompiles.py).
 """
 from __future__ import annotations
 

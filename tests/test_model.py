@@ -13,13 +13,13 @@ from replay_backend.kv_cache import CacheLayout
 from replay_backend.reference.kv_caches import KVCaches
 from replay_backend.reference import PRESETS, build_model, preset
 from replay_backend.reference import attention_ops, attention_reference
-from replay_backend.reference.attention_reference import rms_norm
 from replay_backend.reference.layers import (
     HyperConnection,
     apply_rope,
     hc_collapse,
     hc_merge,
     mm_fp32,
+    rms_norm,
     rope_angles,
     sinkhorn,
 )

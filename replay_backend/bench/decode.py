@@ -113,7 +113,7 @@ def _build(mode: str, model, kw: dict, args, cache: PieceCache) -> Mode:
     run = DecodeRun(mode)
     t0 = time.perf_counter()
     if mode == PEER:
-        runner = stock_peer(model, kw)
+        runner, _ = stock_peer(model, kw)  # build_s: the reset too, as for the modes it follows
     else:
         opts = {**OURS[mode], "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": kw["max_num_seqs"]}
         runner = StepRunner(model, backend=ReplayBackend(ReplayConfig.from_options(opts), piece_cache=cache), **kw)

@@ -51,6 +51,7 @@ class SharedTrace:
 
 
 def model_config_of(args):
+    """The model config of the bench's ``--preset`` and ``--model-option``s."""
     return model_config(args.preset, getattr(args, "model_option", None))
 
 
@@ -60,6 +61,8 @@ _MODE_KEYS = {k for opts in MODE_OPTIONS.values() for k in opts} | {
 
 
 def backend_config(mode: str, setting: str, args) -> ReplayConfig:
+    """The backend options of this backend's ``mode`` at capture ``setting`` (default or
+    wide), over the bench's ``--option``s."""
     opts = parse_options(getattr(args, "option", None))
     clash = sorted(set(opts) & _MODE_KEYS)
     if clash:
@@ -82,13 +85,14 @@ def plan_modes(args) -> list[tuple[str, str]]:
     return sorted(order, key=lambda ms: ms[0] == "reduce-overhead")
 
 
-def release() -> None:
+def release_memory() -> None:
+    """Give back what modes no longer held left: Python's cycles, the CUDA cache."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def build_mode(key: str, model, kw: dict, shared: SharedTrace, shared_fwd) -> tuple[StepRunner, float]:
+def build_shared_mode(key: str, model, kw: dict, shared: SharedTrace, shared_fwd) -> tuple[StepRunner, float]:
     """A runner for this backend's mode ``key``, its model built: the shared forward's
     first call traces once and builds every mode. Returns it and the seconds of its
     first step (the trace and builds, when it was the first)."""
@@ -100,16 +104,17 @@ def build_mode(key: str, model, kw: dict, shared: SharedTrace, shared_fwd) -> tu
     return runner, time.perf_counter() - t0
 
 
-def stock_peer(model, kw: dict) -> StepRunner:
+def stock_peer(model, kw: dict) -> tuple[StepRunner, float]:
     """A runner of the stock ``torch.compile(mode="reduce-overhead")`` peer (CUDA graph
-    trees), traced once like ours, its first step run. It resets Dynamo: this backend's
-    modes are done before it."""
+    trees), traced once like ours, and the seconds of its first step (trace, compile).
+    It resets Dynamo first: this backend's modes are done before it."""
     torch._dynamo.reset()
     peer = torch.compile(model, options=compat_inductor.reduce_overhead_options())
     runner = StepRunner(model, forward=lambda ids, pos: call_dynamic(peer, (ids, pos), False, ids, pos), **kw)
+    t0 = time.perf_counter()
     runner.run(runner.dummy_batch(model.cfg.window))
     sync()
-    return runner
+    return runner, time.perf_counter() - t0
 
 
 def prepare_mode(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd, device: str):
@@ -119,12 +124,10 @@ def prepare_mode(run: ModeRun, model, kw: dict, shared: SharedTrace, shared_fwd,
     if run.mode == "eager":
         return StepRunner(model, **kw), None
     if run.mode == "reduce-overhead":
-        t0 = time.perf_counter()
-        runner = stock_peer(model, kw)
-        run.compile_s = time.perf_counter() - t0
+        runner, run.compile_s = stock_peer(model, kw)
         return runner, None
     first = not shared.build_s
-    runner, secs = build_mode(key, model, kw, shared, shared_fwd)
+    runner, secs = build_shared_mode(key, model, kw, shared, shared_fwd)
     traced = secs - sum(shared.build_s.values()) if first else None
     run.compile_s = shared.build_s[key]
     be = runner.backend

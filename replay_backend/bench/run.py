@@ -24,8 +24,8 @@ from ..reference.accuracy import CHECK, yardstick
 from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
 from .flops import measured_peak, point_flops
-from .modes import (MODE_OPTIONS, SharedTrace, backend_config, bench_model, build_mode, plan_modes,
-                    prepare_mode, release)
+from .modes import (MODE_OPTIONS, SharedTrace, backend_config, bench_model, build_shared_mode, plan_modes,
+                    prepare_mode, release_memory)
 from .report import MODES, render  # noqa: F401  (bench.MODES, bench.render: the CLI's and tests')
 from .timing import ModeRun, TimedMode, time_points
 from .watch import Deadline, host_probe
@@ -149,7 +149,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
                   flush=True)
     ours.clear()
     shared.backends.clear()  # their graphs and buffers go before the peer compiles
-    release()
+    release_memory()
     for ms in plan:
         if ms[0] == "reduce-overhead":  # it resets Dynamo, so it comes last and alone
             if deadline.passed():  # its compile alone takes minutes
@@ -160,7 +160,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
             if peer is not None:
                 time_points([peer], shapes, deadline, args, device, floors, trim_host_us, done=save)
             peer = None
-            release()
+            release_memory()
     for run in results:
         print(json.dumps(asdict(run)), flush=True)
     return report()
@@ -173,6 +173,6 @@ def compile_only(args) -> dict:
     shared = SharedTrace({"replay": ReplayBackend(backend_config("replay", "default", args))})
     kw = dict(max_num_seqs=max(args.conc), max_model_len=2 * model.cfg.window,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    _, total = build_mode("replay", model, kw, shared, torch.compile(model, backend=shared, fullgraph=True))
+    _, total = build_shared_mode("replay", model, kw, shared, torch.compile(model, backend=shared, fullgraph=True))
     build = shared.build_s["replay"]
     return {"preset": args.preset, "compile_s": total, "build_s": build, "trace_s": total - build}

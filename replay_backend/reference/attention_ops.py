@@ -158,11 +158,10 @@ def _run_attention(layer: int, q: torch.Tensor, kv: torch.Tensor, sink: torch.Te
             longest = view.derived[LONGEST] = max(view.seq_lens)
         attention_triton.attend(q, out, swa, glob, ratio, blocks, cfg.window, floored, sink, scale,
                                 longest if cfg.attention_split else 0)
-    if use_triton or cfg.attention_impl == "flashinfer":
-        if out.shape[0] > n:
-            out[n:] = 0
-        return
-    attention_reference.attend_view(q, out, swa, glob, ratio, view, floored, cfg.window, sink, scale)
+    else:
+        attention_reference.attend_view(q, out, swa, glob, ratio, view, floored, cfg.window, sink, scale)
+    if out.shape[0] > n:
+        out[n:] = 0  # padded rows: deterministic, never read
 
 
 def _write_kv(layer: int, kv: torch.Tensor, compress, n: int, slots: torch.Tensor, comp_slots: torch.Tensor,

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import torch
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+from .layers import rms_norm
 
 
 # Elements of one [heads, rows, keys] score block; bounds temporary memory.
@@ -81,7 +78,8 @@ def attend_view(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: tor
                 view, floored: bool, window: int, sink: torch.Tensor, scale: float) -> None:
     """Every request of ``view`` (an ``AttnView``) into its rows of ``out``, from the
     layer's SWA cache ``swa`` and global cache ``glob`` (ratio ``ratio``; None: none);
-    ``floored``: each request's SWA keys start at its replay floor."""
+    ``floored``: each request's SWA keys start at its replay floor. Rows past the
+    view's tokens (padding) are left as they are."""
     qsl = view.query_start_loc
     for i, seq_len in enumerate(view.seq_lens):
         r0, r1 = qsl[i], qsl[i + 1]
@@ -95,5 +93,3 @@ def attend_view(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: tor
         o = attend_request(q[r0:r1], swa[base:base + seq_len], g, ratio, seq_len,
                            view.kv_start[i] if floored else 0, window, sink, scale)
         out[r0:r1] = o.to(out.dtype)
-    if out.shape[0] > view.num_tokens:
-        out[view.num_tokens:] = 0  # padded rows: deterministic, never read

@@ -1,4 +1,4 @@
-"""Triton kernel for DSv4.1 attention on CUDA (the reference stays in attention_ops).
+"""Triton kernel for DSv4.1 attention on CUDA (the reference is attention_reference.py).
 
 One program handles up to ``BLOCK_M`` consecutive rows of one request for one head. The
 key set is the union of two contiguous segments: the global entries complete at the

@@ -1,5 +1,5 @@
-"""One Triton launch per attention op for its cache writes (the reference stays in
-attention_ops).
+"""One Triton launch per attention op for its cache writes (the reference:
+attention_ops._write_kv and attention_reference.compress_kv).
 
 Before attending, every layer writes its new SWA keys into its cache, and a KV source
 also runs its compressor. As PyTorch ops that is an ``index_copy_`` per layer and, for

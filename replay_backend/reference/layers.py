@@ -8,11 +8,15 @@ from torch import nn
 from ..oplib import define_op
 from ..passes.roles import declare_row_local
 from . import sinkhorn_triton
-from .attention_reference import rms_norm
 
 
 def init_param(gen: torch.Generator, *shape: int, std: float) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape, generator=gen) * std, requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -22,7 +22,7 @@ class PromptTokens:
 
     def __init__(self, vocab: int, max_len: int) -> None:
         p = torch.arange(max_len, dtype=torch.int64)
-        self.vocab = vocab
+        self.vocab, self.max_len = vocab, max_len
         self.by_position = (p * 40503) % vocab + (p * p) % 977
         self._by_position = self.by_position.tolist()
 
@@ -46,7 +46,7 @@ class PromptTokens:
         for i, r in enumerate(batch.requests):
             if not r.keep_all:
                 continue
-            nxt = self(r.req_id, r.context_len + 1, min(r.seq_len + 1, len(self._by_position)))
+            nxt = self(r.req_id, r.context_len + 1, min(r.seq_len + 1, self.max_len))
             rows = hidden[qsl[i]:qsl[i] + nxt.shape[0]]
             lp = torch.log_softmax(compute_logits(rows).float(), dim=-1)
             # pinned and asynchronous: a served step never waits for the GPU
