@@ -115,7 +115,7 @@ class CompiledReplayModel:
         else:
             try:
                 ctx.batch.check_current()  # a batch whose metadata a later build overwrote
-                self._check_rows(ctx.batch, args)
+                self.inputs.check_rows(ctx.batch, args)
             except (RuntimeError, ValueError) as e:
                 self.fail_step(e)
             ctx.compiled_step = True
@@ -141,16 +141,6 @@ class CompiledReplayModel:
         if self.calls is not None and self.calls.active:
             self.calls.record(self, args, out)
         return out
-
-    def _check_rows(self, batch, args) -> None:
-        """The token inputs hold the context's batch: attention and the trim op read
-        that batch's rows, so inputs of another step would run against its layout."""
-        if self.token_inputs and batch is not None:
-            t = args[self.token_inputs[0]].shape[0]
-            if t != batch.num_tokens:
-                raise ValueError(f"dsv41_replay: the token inputs have {t} rows, the forward context's batch "
-                                 f"{batch.num_tokens} tokens: call the model with that batch's input_ids and "
-                                 "positions under its own context")
 
     def decide(self, ctx, num_tokens: int, args=()) -> StepPlan:
         """The step's one decision (dispatch/decide.py), made before it runs, agreed with

@@ -47,6 +47,16 @@ class StepInputs:
         self._pinned_values = tuple(t.item() for t in self.pinned.values())
         self.scalar_inputs = tuple(i for i in zero_dim if i not in self.pinned)
 
+    def check_rows(self, batch, args) -> None:
+        """The token inputs hold the context's batch: attention and the trim op read
+        that batch's rows, so inputs of another step would run against its layout."""
+        if self.token_inputs and batch is not None:
+            t = args[self.token_inputs[0]].shape[0]
+            if t != batch.num_tokens:
+                raise ValueError(f"dsv41_replay: the token inputs have {t} rows, the forward context's batch "
+                                 f"{batch.num_tokens} tokens: call the model with that batch's input_ids and "
+                                 "positions under its own context")
+
     def changed_number(self, args) -> str | None:
         """Where a host number of ``args`` differs from its pinned value, which every
         graph holds: the first such input and both values (None: all as pinned)."""
