@@ -34,3 +34,14 @@ def test_every_token_count_runs_on_the_one_trace_on_cuda_graphs():
 
     kinds = every_token_count("cuda")
     assert (1, False) in kinds and (64, True) in kinds
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_python_numbers_on_cuda_graphs_with_inductor_pieces(case):
+    """Plain ``torch.compile(dynamic=True)``: a float argument, which Dynamo passes as a
+    host tensor and a CUDA graph holds by value, runs in graphs only at the value they
+    were captured with, and every step matches the eager model (tests/test_serving.py)."""
+    from test_serving import NUMBER_STEPS, serve_numbers
+
+    serve_numbers(*NUMBER_STEPS[case], device="cuda", compiler="inductor", tol=1e-4)
+
