@@ -349,25 +349,28 @@ class RegionScaledLlama(LlamaSWA):
         return (self.norm(x),)
 
 
-# (requests, scale, kind, whether the replay region ran graphs): the trace's scale is 1.0
+# (requests, scale, kind, whether the replay region ran graphs, whether a number_changed
+# fallback is counted: another scale than the trace's 1.0 where a graph would have run)
 NUMBER_STEPS = [
-    (ScaledLlama, [([RequestChunk("a", 20, 20)], 1.0, "piecewise", True),
-                   ([RequestChunk("a", 1, 21)], 0.5, "eager", False),
-                   ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True)]),
+    (ScaledLlama, [([RequestChunk("a", 20, 20)], 1.0, "piecewise", True, False),
+                   ([RequestChunk("a", 1, 21)], 0.5, "eager", False, True),
+                   ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True, False),
+                   # above every graph and nothing to trim: no graph would run, nothing lost
+                   ([RequestChunk("k", 100, 100, keep_all=True)], 0.5, "eager", False, False)]),
     # 100 tokens: above every main graph, so the main layers run eagerly while the
     # region runs its replay graph on the kept rows, reading the number too.
-    (RegionScaledLlama, [([RequestChunk("b", 100, 100)], 1.0, "eager", True),
-                         ([RequestChunk("a", 20, 20)], 1.0, "piecewise", True),
-                         ([RequestChunk("c", 100, 100)], 2.0, "eager", False),
-                         ([RequestChunk("a", 1, 21)], 3.0, "eager", False),
-                         ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True)]),
+    (RegionScaledLlama, [([RequestChunk("b", 100, 100)], 1.0, "eager", True, False),
+                         ([RequestChunk("a", 20, 20)], 1.0, "piecewise", True, False),
+                         ([RequestChunk("c", 100, 100)], 2.0, "eager", False, True),
+                         ([RequestChunk("a", 1, 21)], 3.0, "eager", False, True),
+                         ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True, False)]),
 ]
 
 
 def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol: float = 1e-5) -> None:
     """``steps`` of ``cls`` under plain ``torch.compile(dynamic=True)`` on ``device``,
     each against the eager model: its kind, whether its region ran graphs, its logits,
-    and one ``number_changed`` fallback per step whose scale is not the trace's."""
+    and the ``number_changed`` fallbacks counted."""
     model, oracle = cls().to(device).eval(), cls().to(device).eval()
     compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options={**OPTIONS, "compiler": compiler})
     server, eager = LlamaServer(model), LlamaServer(oracle)
@@ -390,9 +393,8 @@ def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol:
     be.start_serving()
     serving.append(True)
     oracle.load_state_dict(model.state_dict())
-    changed = sum(scale != 1.0 for _, scale, _, _ in steps)
-    with counters.expect(strict=False, fallbacks={"number_changed": changed}):
-        for k, (requests, scale, kind, region_graphs) in enumerate(steps):
+    with counters.expect(strict=False, fallbacks={"number_changed": sum(step[4] for step in steps)}):
+        for k, (requests, scale, kind, region_graphs, _) in enumerate(steps):
             got, result = step(compiled, requests, scale)
             want, _ = step(oracle, requests, scale)
             assert (result.kind.value, result.replay_padded is not None) == (kind, region_graphs), (k, result)

@@ -148,39 +148,45 @@ class CompiledReplayModel:
         captures the same size, and nothing needs agreeing. ``args``: the step's, whose
         Python numbers must be the ones its graphs hold (step_inputs.py)."""
         use_graphs = ctx is None or ctx.use_graphs
-        if use_graphs and self.cfg.graphs_enabled and (changed := self.inputs.changed_number(args)):
-            try:
-                self.res.fallback(Fallback.NUMBER_CHANGED, f"a Python number Dynamo passes as a tensor changed "
-                                  f"since the first call ({changed}); captured graphs hold its first value, so "
-                                  "this step runs without graphs. Pass a value that changes as a tensor on the "
-                                  "model's device, or keep it constant")
-            except StrictFallbackError as e:
-                self.fail_step(e)
-            use_graphs = False
         batch = ctx.batch if ctx is not None else None
         policy = self.full_policy
         full = policy is not None and batch is not None and batch.graph is not None
         if full and not policy.reads(batch):
-            try:
-                self.res.fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but not where they "
-                                  "read (built outside the backend's metadata buffer, or for another number of "
-                                  "rows) runs in pieces: build it with the compiled model's build_batch")
-            except StrictFallbackError as e:
-                self.fail_step(e)
+            self._fallback(Fallback.METADATA_IN_PLACE, "a batch laid out for FULL graphs but not where they read "
+                           "(built outside the backend's metadata buffer, or for another number of rows) runs in "
+                           "pieces: build it with the compiled model's build_batch")
             full = False
         full = full and policy.takes(batch.requests)
+        if use_graphs and self.cfg.graphs_enabled and (changed := self.inputs.changed_number(args)):
+            use_graphs = False
+            # Counted where a graph would have run; over data-parallel ranks whether one
+            # would is the agreed step's, not known here.
+            if self._agrees or self._plan(ctx, num_tokens, True, None, full).runs_graphs:
+                self._fallback(Fallback.NUMBER_CHANGED, f"a Python number Dynamo passes as a tensor changed since "
+                               f"the first call ({changed}); captured graphs hold its first value, so this step "
+                               "runs without graphs. Keep it constant, or make it a 0-dim tensor on the model's "
+                               "device that you update in place")
         agreement = None
         if self._agrees:
             agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
                               batch.replay.num_rows if batch is not None else num_tokens, full)
             check_no_rank_failed(agreement)
-        if self.replay is not None and ctx is not None:
-            plan = self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement, full)
-        else:
-            plan = plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs, agreement=agreement, full=full)
+        plan = self._plan(ctx, num_tokens, use_graphs, agreement, full)
         if self.tp_group is not None:
             check_same_plan(plan, self.tp_group)
         return plan
+
+    def _plan(self, ctx, num_tokens: int, use_graphs: bool, agreement, full: bool) -> StepPlan:
+        if self.replay is not None and ctx is not None:
+            return self.replay.plan(ctx.batch, num_tokens, use_graphs, agreement, full)
+        return plan_step(self.sizes, num_tokens, 0, False, use_graphs=use_graphs, agreement=agreement, full=full)
+
+    def _fallback(self, reason: Fallback, detail: str) -> None:
+        """A fallback of this step; under ``strict`` it fails the step (``fail_step``)."""
+        try:
+            self.res.fallback(reason, detail)
+        except StrictFallbackError as e:
+            self.fail_step(e)
 
     @property
     def _agrees(self) -> bool:

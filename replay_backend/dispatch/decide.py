@@ -135,6 +135,11 @@ class StepPlan:
         return self.kind is not StepKind.EAGER
 
     @property
+    def runs_graphs(self) -> bool:
+        """Some graph runs in the step: the main layers' or the replay region's."""
+        return self.graphed or self.replay_padded is not None
+
+    @property
     def step(self) -> StepInfo:
         return self.result.step_info
 
