@@ -414,6 +414,52 @@ def test_a_python_number_runs_in_graphs_only_at_the_value_they_hold(cls, steps):
     serve_numbers(cls, steps)
 
 
+class GatedLlama(LlamaSWA):
+    """A tensor argument the output reads: a per-step gate."""
+
+    def __init__(self) -> None:
+        super().__init__(window=W)
+
+    def forward(self, input_ids, positions, gate: torch.Tensor):
+        (x,) = super().forward(input_ids, positions)
+        return (x * gate,)
+
+
+def test_a_new_tensor_argument_each_step_is_refused_saying_to_update_it_in_place():
+    """A graph reads a tensor argument where it was at capture: a fresh tensor each
+    step is refused at the first replay, naming the input and what to do (the same
+    tensor updated in place), and that works, step by step against the eager model."""
+    model = GatedLlama().eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server, eager = LlamaServer(model), LlamaServer(GatedLlama().eval())
+    gate = torch.ones(())
+
+    def step(requests, value, fresh: bool, fn=compiled, on=server):
+        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in requests]
+        tokens = [server.tokens(r) for r in requests]
+        be = replay_backend.backend_of(compiled) if fn is compiled and be_serving else None
+        batch = (be.build_batch(requests, tokens, blocks) if be is not None else
+                 replay_backend.build_step_batch(requests, tokens, blocks, server.layout, W, "cpu"))
+        arg = torch.tensor(value) if fresh else gate.copy_(torch.tensor(value))
+        with torch.no_grad(), replay_backend.set_forward_context(on.setup.context(batch)):
+            (hidden,) = fn(batch.input_ids, batch.positions, arg)
+        return hidden[batch.logits_indices]
+
+    be_serving = False
+    step([RequestChunk("w", 9, 9)], 1.0, fresh=False)  # the trace
+    be = replay_backend.backend_of(compiled)
+    be.capture(server.setup)
+    be.start_serving()
+    be_serving = True
+    with pytest.raises(RuntimeError, match=r"\(the graph input \w*gate\w*\) changed since capture .* must be the "
+                       r"same tensor in every step: update it in place \(copy_\)"):
+        step([RequestChunk("a", 20, 20)], 0.5, fresh=True)
+    for requests, value in (([RequestChunk("b", 20, 20)], 0.5), ([RequestChunk("b", 1, 21)], 2.0)):
+        got = step(requests, value, fresh=False)
+        want = step(requests, value, fresh=False, fn=eager.model, on=eager)
+        assert max_abs_err(got, want) <= 1e-5
+
+
 def test_a_context_reused_after_a_compiled_step_still_floors_the_uncompiled_model():
     """The natural oracle check: the compiled model and the eager one in one context.
     The compiled step leaves nothing behind that turns the eager model's floor off."""

@@ -27,7 +27,7 @@ import torch
 from ..counters import counters
 from ..fallbacks import Fallback
 from ..forward_context import set_forward_context
-from .graphs import GraphResources, addresses, capture_into, collection_paused, copy_outputs
+from .graphs import STABLE_INPUTS, GraphResources, addresses, capture_into, collection_paused, copy_outputs
 
 
 def watched(view) -> list[tuple[str, torch.Tensor]]:
@@ -74,8 +74,8 @@ class FullGraph:
         for i, (got, want) in enumerate(zip(addresses(args), self.arg_ptrs)):
             if got != want:
                 raise RuntimeError(f"FULL graph [{self.size}]: argument {i} of the step changed since capture "
-                                   f"({want!r} -> {got!r}): the graph would read stale memory. Update weights in "
-                                   "place (design.md, Graph invariants).")
+                                   f"({want!r} -> {got!r}): the graph would read stale memory. {STABLE_INPUTS} "
+                                   "(design.md, Graph invariants).")
 
     def replay(self, reads: list[tuple[str, torch.Tensor]], args: list) -> tuple:
         # The metadata's few addresses on every replay: a batch laid out elsewhere would

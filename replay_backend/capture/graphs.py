@@ -39,6 +39,10 @@ from ..lifecycle import Lifecycle
 
 log = logging.getLogger("replay_backend")
 
+# What keeps a graph input where its graphs read it.
+STABLE_INPUTS = ("A graph input (a weight, a buffer, a tensor argument of the model) must be the same tensor in "
+                 "every step: update it in place (copy_) rather than passing or assigning a new one")
+
 
 @dataclass
 class GraphResources:
@@ -188,11 +192,12 @@ class StaticGraph:
     def check_inputs(self, args: tuple) -> None:
         for i, (got, want) in enumerate(zip(addresses(args), self.addresses)):
             if got != want:
-                source = f" ({self.sources[i]})" if i < len(self.sources) else ""
+                source = self.sources[i] if i < len(self.sources) else ""
+                fix = (STABLE_INPUTS if source.startswith("the graph input") else
+                       "Every eager op between pieces must write into a buffer allocated by the preceding piece")
                 raise RuntimeError(
-                    f"{self.name}: input {i}{source} changed since capture ({want!r} -> {got!r}); the graph "
-                    "would read stale memory. Every eager op between pieces must write into a "
-                    "buffer allocated by the preceding piece (see docs/design.md, Graph invariants).")
+                    f"{self.name}: input {i}{f' ({source})' if source else ''} changed since capture ({want!r} -> "
+                    f"{got!r}); the graph would read stale memory. {fix} (see docs/design.md, Graph invariants).")
 
     def replay(self, args: tuple):
         if self.replays == 0 or self.res.check_every_replay:
