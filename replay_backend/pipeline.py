@@ -84,6 +84,10 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     res = GraphResources(use_cuda=traced.use_cuda, strict=cfg.strict, check_every_replay=cfg.debug_check_addresses,
                          lifecycle=lifecycle if lifecycle is not None else Lifecycle())
     graphs = cfg.graphs_enabled and bool(traced.token_inputs)
+    # A trace that holds for one token count only fails here, before the passes read its
+    # shapes: a token dimension fixed by the trace is no token dimension to them.
+    admit_every_token_count(traced.fake_mode, traced.token_sizes, cfg.max_num_batched_tokens, res.fallback,
+                            relax=False)
     # Attention breaks and KV sources as the model declared them (passes/roles.py),
     # unless the options name the splitting ops.
     splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)

@@ -138,6 +138,29 @@ def test_a_trace_on_one_token_that_holds_there_only_names_the_copy_that_fixes_it
             torch.testing.assert_close(compiled(x), model(x))
 
 
+class MarkedProjection(GroupedProjection):
+    """The grouped projection feeding replay layers: traced on one token, the token
+    dimension is fixed to 1 before the passes read the graph."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.v = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (o,) = replay_backend.replay_begin(super().forward(x), window=4)
+        (o,) = replay_backend.replay_end(self.v(o))
+        return o
+
+
+def test_a_trace_that_holds_for_one_token_only_is_refused_before_the_passes_count_fallbacks():
+    """The passes would read a token dimension fixed to 1 as no token dimension, and
+    count fallbacks (region unsupported, padding unsafe) for a build that then fails:
+    the check comes first, and only its error is raised."""
+    with counters.expect(strict=False, fallbacks={}), pytest.raises(Exception) as info, torch.no_grad():
+        replay_backend.compile(MarkedProjection(), ("x",), options={"compiler": "eager"})(torch.randn(1, 8))
+    assert isinstance(user_error(info.value), TokenCountError), info.value
+
+
 def test_bare_torch_compile_with_a_one_token_first_step_names_the_fix():
     model = LlamaSWA(window=W).eval()
     compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)

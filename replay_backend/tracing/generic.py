@@ -43,10 +43,11 @@ class TokenCountError(ValueError):
 
 
 def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
-                            fallback: Callable[[str, str], None]) -> None:
+                            fallback: Callable[[str, str], None], relax: bool = True) -> None:
     """Check the graph traced under ``fake_mode`` admits every count from 2 to
     ``max_tokens`` and relax what refuses only 1. ``token_sizes``: the token-count
-    SymInts of the graph's inputs."""
+    SymInts of the graph's inputs. ``relax=False``: check only (before the pieces are
+    compiled, which may add guards of their own: the relaxing comes after them)."""
     env = shapes.shape_env_of(fake_mode)
     if env is None:
         return
@@ -55,6 +56,8 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
     if problem is None and not syms:
         return
     if problem is not None:
+        if not relax:  # counted once, by the check after the compile
+            return
         fallback(Fallback.TOKEN_GUARDS, f"{problem}: the token count's guards are not checked, and a one-token "
                  "call through Dynamo recompiles")
         return
@@ -75,9 +78,10 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
             raise TokenCountError(_message(f"{s} <= {upper}", "", f"it fails at {upper + 1} tokens"))
         if lower is not None and lower > 2:
             raise TokenCountError(_message(f"{s} >= {lower}", "", f"it fails at {lower - 1} tokens"))
-        if lower == 2:
+        if lower == 2 and relax:
             shapes.lower_range(env, s, 1)
-    shapes.drop_guards(env, one_only)
+    if relax:
+        shapes.drop_guards(env, one_only)
 
 
 # A guard that holds at one token and fails at two comes from a trace on one token:
