@@ -552,6 +552,22 @@ def test_uniform_decodes_longer_than_the_window_are_captured_and_served_full(mod
         same_step(got, want, rc, ro)
 
 
+def test_uniform_decodes_longer_than_max_model_len_get_no_full_graph_and_say_why(model):
+    """uniform_decode_query_len 20 with sequences of at most 16 positions: no such decode
+    exists, so no FULL size is captured for one (a counted fallback naming both), and
+    the steps run right, eagerly."""
+    opts = dict(OPTS, cudagraph_mode="full_decode_only", uniform_decode_query_len=20)
+    rc = StepRunner(model, max_model_len=16, max_num_seqs=4, backend=ReplayBackend(**opts))
+    ro = StepRunner(model, max_model_len=16, max_num_seqs=4)
+    with counters.expect(strict=False, fallbacks={"cudagraph_mode": 1, "nothing_captured": 1}):
+        assert "full" not in rc.capture()
+    got, want = rc.step([R("a", 10, 10)]), ro.step([R("a", 10, 10)])
+    assert got.result.kind is EAGER
+    same_step(got, want, rc, ro)
+    with pytest.raises(StrictFallbackError, match="decodes of 20 tokens.*more tokens than the cache's max_model_len=16"):
+        StepRunner(model, max_model_len=16, max_num_seqs=4, backend=ReplayBackend(**opts, strict=True)).capture()
+
+
 @pytest.mark.parametrize("mode", ["full", "full_decode_only", "full_and_piecewise"])
 @pytest.mark.parametrize("strict", [False, True])
 def test_serving_a_full_mode_without_capture_is_a_counted_fallback(model, mode, strict):

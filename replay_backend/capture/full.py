@@ -131,9 +131,12 @@ def full_capture_step(model, setup, metadata, policy) -> Callable[[int], None] |
         return None
     shapes = policy.dummy_shapes(setup.layout.num_blocks, setup.layout.max_model_len)
     if not shapes:
+        limit = setup.layout.max_model_len
+        why = (f"a decode of more tokens than the cache's max_model_len={limit} fits no sequence"
+               if policy.uniform_len > limit else
+               "the sizes stop below the trim threshold and at max_num_seqs such decodes")
         model.res.fallback(Fallback.CUDAGRAPH_MODE, f"no FULL size {list(policy.sizes)} holds a batch of uniform "
-                           f"decodes of {policy.uniform_len} tokens, so no step runs as a FULL graph (the sizes "
-                           "stop below the trim threshold and at max_num_seqs such decodes)")
+                           f"decodes of {policy.uniform_len} tokens, so no step runs as a FULL graph ({why})")
         model.use_full_policy(None)
         return None
     policy = dataclasses.replace(policy, sizes=tuple(shapes), rows=max(shapes))

@@ -61,7 +61,7 @@ class FullPolicy:
                 tokens = min(size, max_requests * max_model_len)
                 if tokens > below:
                     shapes[size] = (tokens, None)
-            else:
+            elif self.uniform_len <= max_model_len:  # else no sequence holds one such decode
                 q = self.uniform_len
                 k = min(size // q, max_requests)
                 if k * q > below:
