@@ -216,7 +216,7 @@ class CompiledReplayModel:
         if plan.kind is StepKind.EAGER:  # padded to the largest rank's tokens, or its region in graphs
             return self._eager_padded(args, t, plan), plan
         tp = plan.padded_tokens
-        new = self._padded(args, t, tp)
+        new = self.inputs.padded(args, t, tp)
         graph = ctx.batch.graph if ctx is not None else None
         if graph is None or tp > graph.rows:
             out = self._run_at(tp, new, plan)
@@ -246,10 +246,6 @@ class CompiledReplayModel:
     def _pieces_at(self, size: int | None, new: list) -> tuple:
         with self.main_level.at(size):
             return self.split_gm(*new)
-
-    def _padded(self, args, t: int, tp: int) -> list:
-        """The step's arguments in the fixed buffers, padded to ``tp`` rows."""
-        return self.inputs.padded(args, t, tp)
 
     def _eager_padded(self, args, t: int, plan: StepPlan) -> tuple:
         """A step whose main layers run without graphs, on the plan's padded rows, ``t``
