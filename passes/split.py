@@ -91,6 +91,11 @@ def live_across(split: fx.GraphModule, piece: str) -> set[str]:
 
 
 
+# How input_sources names a piece input that is an input of the whole graph (a weight, a
+# buffer, a tensor argument), which the piece's address check tells apart by it.
+GRAPH_INPUT = "the graph input"
+
+
 def input_sources(split: fx.GraphModule, infos) -> dict[str, tuple[str, ...]]:
     """Per piece, where each of its inputs comes from, in words, for the error a captured
     graph raises when an input moved: the usual cause is an eager op (an attention op)
@@ -107,7 +112,7 @@ def input_sources(split: fx.GraphModule, infos) -> dict[str, tuple[str, ...]]:
             return "a constant"
         p = producer(a)
         if p.op == "placeholder":
-            return f"the graph input {p.name}"
+            return f"{GRAPH_INPUT} {p.name}"
         info = kinds.get(p.target) if p.op == "call_module" else None
         if info is None:
             return f"{a.name}"

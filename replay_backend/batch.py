@@ -16,7 +16,7 @@ import torch
 
 # int64_tensor: this module's name too, which the model's view fields import.
 from .batch_inputs import built_field, check_inputs, int64_tensor, per_row, token_ids_tensor  # noqa: F401
-from .graph_layout import GraphFields, GraphLayout, GraphPadding
+from .graph_layout import GraphFields, GraphLayout, GraphPadding, graph_max_requests
 from .kv_cache import CacheLayout
 # The requests' names are this module's too: a step's batch is built from them.
 from .requests import (MAX_POSITION, ReplayRows, RequestChunk, check_blocks, kept_len,  # noqa: F401
@@ -268,22 +268,24 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
 def dummy_step_batch(num_tokens: int, layout: CacheLayout, window: int, device, context: int = 0,
                      view_fields: Mapping[str, ViewField] | None = None, *, graph_rows: int | None = None,
                      metadata: MetadataBuffer | None = None, per_request: int | None = None) -> StepBatch:
-    """A batch of ``num_tokens`` rows for warm-up and capture: requests of at most
-    ``window`` tokens (so every row is a replay row), every KV write aimed at the pad
-    slot. The first request's rows follow ``context`` positions, whose cache entries its
-    attention reads (whatever they hold: the outputs are thrown away). ``graph_rows``
-    and ``metadata``: as ``build_step_batch``'s (a FULL graph's capture);
-    ``per_request``: requests of this many tokens each (a uniform decode's, which may
-    be longer than the window: a FULL graph's step never trims). Laid out for FULL
-    graphs, the requests are as many as served batches may be (the cache's blocks) at
-    the most, longer than the window where they must be: the layout holds that many."""
-    room = layout.max_model_len - context
-    w = min(per_request or window, room)
-    if w < 1:
+    """A batch of ``num_tokens`` rows for warm-up and capture, every KV write aimed at
+    the pad slot: requests of at most ``window`` tokens (so every row is a replay row),
+    or of ``per_request`` tokens each (a uniform decode's, which may be longer than the
+    window: a FULL graph's step never trims). The first request's rows follow
+    ``context`` positions, whose cache entries its attention reads (whatever they hold:
+    the outputs are thrown away). ``graph_rows`` and ``metadata``: as
+    ``build_step_batch``'s (a FULL graph's capture); laid out so, the requests are no
+    more than the layout holds (``graph_max_requests``), longer than the window where
+    they must be."""
+    if layout.max_model_len - context < 1:
         raise ValueError(f"context={context} leaves no room in max_model_len={layout.max_model_len}")
+    w = per_request or window
     if graph_rows is not None and per_request is None:
-        w = max(w, min(-(-num_tokens // min(graph_rows, layout.num_blocks)), room))
-    reqs = [RequestChunk(f"__dummy{i}", min(w, num_tokens - s), min(w, num_tokens - s) + (context if i == 0 else 0))
-            for i, s in enumerate(range(0, num_tokens, w))]
+        w = max(w, -(-num_tokens // graph_max_requests(graph_rows, layout)))
+    lens, left = [], num_tokens
+    while left > 0:  # the first request after the context, the rest from position 0
+        lens.append(min(w, left, layout.max_model_len - (0 if lens else context)))
+        left -= lens[-1]
+    reqs = [RequestChunk(f"__dummy{i}", q, q + (context if i == 0 else 0)) for i, q in enumerate(lens)]
     return build_step_batch(reqs, [[0] * r.query_len for r in reqs], [0] * len(reqs), layout, window, device,
                             view_fields=view_fields, pad_writes=True, graph_rows=graph_rows, metadata=metadata)

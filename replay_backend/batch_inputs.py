@@ -27,11 +27,13 @@ def check_inputs(requests, token_ids, blocks, layout: CacheLayout, pad_writes: b
             if toks.dim() != 1 or toks.dtype.is_floating_point or toks.dtype.is_complex or toks.dtype == torch.bool:
                 raise ValueError(f"request {i}: token_ids[{i}] is a {toks.dim()}-D {toks.dtype} tensor: give a "
                                  "request's token ids as a list of ints or a 1-D integer tensor")
-        elif not hasattr(toks, "__len__") or isinstance(toks, (str, bytes)):
-            raise ValueError(f"request {i}: token_ids[{i}] is of type {type(toks).__name__}: give a request's token ids "
-                             "as a list of ints or a 1-D integer tensor")
-        if len(toks) != r.query_len:
-            raise ValueError(f"request {i}: {len(toks)} token ids for query_len={r.query_len}")
+        try:
+            n = len(toks)
+        except TypeError:
+            raise ValueError(f"request {i}: token_ids[{i}] is of type {type(toks).__name__}: give a request's token "
+                             "ids as a list of ints or a 1-D integer tensor") from None
+        if n != r.query_len:
+            raise ValueError(f"request {i}: {n} token ids for query_len={r.query_len}")
     if len(blocks) != len(requests):
         raise ValueError(f"{len(blocks)} cache blocks for {len(requests)} requests")
     return check_blocks(requests, blocks, layout, shared=pad_writes)

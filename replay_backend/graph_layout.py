@@ -66,6 +66,12 @@ class GraphLayout:
         return got
 
 
+def graph_max_requests(rows: int, layout: CacheLayout) -> int:
+    """The requests a graph layout of ``rows`` holds: as many as a served batch may
+    have, one per cache block, each of at least one row."""
+    return min(rows, layout.num_blocks)
+
+
 class GraphPadding:
     """The rows a graph layout adds after a step's ``t`` own: token 0 at position 0,
     writing the pad slot, as padded rows do in every graph."""
@@ -74,7 +80,7 @@ class GraphPadding:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < t:
             raise ValueError(f"graph_rows={rows!r}: the graph layout must hold the step's {t} tokens")
         self.rows, self.t, self.layout = rows, t, layout
-        self.max_requests = min(rows, layout.num_blocks)
+        self.max_requests = graph_max_requests(rows, layout)
         # Per-request parts past their capacity would move every later field: the graph
         # would read them where another step's lie.
         if requests > self.max_requests:

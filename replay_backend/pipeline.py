@@ -49,6 +49,7 @@ class Traced:
     fake_inputs: list
     token_inputs: list[int]  # tensors whose first dimension is the token count
     sym_inputs: list[int]  # the symbolic token count itself
+    int_inputs: list[int]  # other symbolic ints: Python ints of the call, passed afresh each step
     use_cuda: bool  # graphs on CUDA (else emulated on the CPU)
 
     @property
@@ -115,26 +116,32 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None
     return CompiledReplayModel(split, cfg, plan, main_level, parts.runtime if parts else None, traced.token_inputs,
                                traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir,
-                               dp_group=dp_group, full_sizes=full_sizes, number_inputs=numbers)
+                               dp_group=dp_group, full_sizes=full_sizes, number_inputs=numbers,
+                               int_inputs=tuple(traced.int_inputs))
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:
     fake_mode = compat_dynamo.detect_fake_mode(example_inputs)
     fake_inputs = compat_dynamo.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
-    tokens, syms = [], []
+    tokens = []
     for i, x in enumerate(fake_inputs):
-        if compat_dynamo.is_symint(x):
-            syms.append(i)
-        elif isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor):
             dims = compat_dynamo.symbolic_dims(x)
             if dims and dims != [0]:
                 raise ValueError(f"graph input {i} is dynamic in dims {dims}: dsv41_replay supports "
                                  "graphs dynamic only in the token count (dim 0)")
             if dims:
                 tokens.append(i)
+    # A symbolic int is the token count where it is the token inputs' row count; any
+    # other is a Python int of the call (dynamic=True makes every int symbolic).
+    counts = [fake_inputs[i].shape[0] for i in tokens]
+    syms, ints = [], []
+    for i, x in enumerate(fake_inputs):
+        if compat_dynamo.is_symint(x):
+            (syms if any(compat_dynamo.same_size(x, c) for c in counts) else ints).append(i)
     use_cuda = cfg.graphs_enabled and bool(tokens) and any(
         isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
-    return Traced(fake_mode, fake_inputs, tokens, syms, use_cuda)
+    return Traced(fake_mode, fake_inputs, tokens, syms, ints, use_cuda)
 
 
 def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphResources

@@ -309,8 +309,7 @@ def test_a_full_only_mode_whose_attention_cannot_says_so(caplog):
     with counters.expect(strict=False, fallbacks={"nothing_captured": 1, "cudagraph_mode": 1}), \
             caplog.at_level("WARNING", logger="replay_backend"):
         server, summary, oracle = toy_served("never", cudagraph_mode="full")
-    assert "FULL graphs alone, and the model's attention cannot run in one (the cudagraph_mode fallback says " \
-           "why)" in caplog.text
+    assert "FULL graphs alone, and none of its sizes was kept (the cudagraph_mode fallback says why)" in caplog.text
     result, err = toy_step(server, oracle, [R("a", 5, 5)])
     assert result.kind is EAGER and err <= 1e-5
     with pytest.raises(StrictFallbackError, match="cudagraph_mode"):
@@ -552,15 +551,17 @@ def test_uniform_decodes_longer_than_the_window_are_captured_and_served_full(mod
         same_step(got, want, rc, ro)
 
 
-def test_uniform_decodes_longer_than_max_model_len_get_no_full_graph_and_say_why(model):
+def test_uniform_decodes_longer_than_max_model_len_get_no_full_graph_and_say_why(model, caplog):
     """uniform_decode_query_len 20 with sequences of at most 16 positions: no such decode
     exists, so no FULL size is captured for one (a counted fallback naming both), and
     the steps run right, eagerly."""
     opts = dict(OPTS, cudagraph_mode="full_decode_only", uniform_decode_query_len=20)
     rc = StepRunner(model, max_model_len=16, max_num_seqs=4, backend=ReplayBackend(**opts))
     ro = StepRunner(model, max_model_len=16, max_num_seqs=4)
-    with counters.expect(strict=False, fallbacks={"cudagraph_mode": 1, "nothing_captured": 1}):
+    with counters.expect(strict=False, fallbacks={"cudagraph_mode": 1, "nothing_captured": 1}), \
+            caplog.at_level("WARNING", logger="replay_backend"):
         assert "full" not in rc.capture()
+    assert "none of its sizes was kept (the cudagraph_mode fallback says why)" in caplog.text
     got, want = rc.step([R("a", 10, 10)]), ro.step([R("a", 10, 10)])
     assert got.result.kind is EAGER
     same_step(got, want, rc, ro)
@@ -732,7 +733,7 @@ def test_no_note_calls_an_option_moot_that_changes_the_full_sizes(mode, key, val
     assert not [n for n in a.notes() if f"option {key}=" in n and "has no effect" in n], a.notes()
 
 
-@pytest.mark.parametrize("mode", ["full", "full_decode_only", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", ["full", "full_decode_only"])
 def test_no_note_calls_metadata_in_place_moot_where_full_graphs_read_the_buffer(mode):
     """metadata_in_place=False takes every FULL graph away (a FULL graph reads its steps'
     metadata in the backend's buffer), so =True is never moot with FULL graphs on."""

@@ -387,6 +387,10 @@ NUMBER_STEPS = [
                          ([RequestChunk("c", 100, 100)], 2.0, "eager", False, True),
                          ([RequestChunk("a", 1, 21)], 3.0, "eager", False, True),
                          ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True, False)]),
+    # an int argument: Dynamo passes it as a symbolic int, not the token count
+    (ScaledLlama, [([RequestChunk("a", 20, 20)], 1, "piecewise", True, False),
+                   ([RequestChunk("a", 1, 21)], 3, "eager", False, True),
+                   ([RequestChunk("b", 9, 9)], 1, "piecewise", True, False)]),
 ]
 
 
@@ -410,13 +414,13 @@ def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol:
             (hidden,) = fn(batch.input_ids, batch.positions, scale)
         return hidden[batch.logits_indices], (be.last_step if be is not None else None)
 
-    step(compiled, [RequestChunk("w", 9, 9)], 1.0)  # the trace
+    step(compiled, [RequestChunk("w", 9, 9)], type(steps[0][1])(1))  # the trace, at 1 (or 1.0)
     be = replay_backend.backend_of(compiled)
     be.capture(server.setup)
     be.start_serving()
     serving.append(True)
     oracle.load_state_dict(model.state_dict())
-    with counters.expect(strict=False, fallbacks={"number_changed": sum(step[4] for step in steps)}):
+    with counters.expect(strict=False, fallbacks={"number_changed": sum(counted for *_, counted in steps)}):
         for k, (requests, scale, kind, region_graphs, _) in enumerate(steps):
             got, result = step(compiled, requests, scale)
             want, _ = step(oracle, requests, scale)

@@ -106,7 +106,9 @@ def why_no_graphs(be) -> str:
             return (f"{mode}, which run only steps that never trim, and every capture size {cfg.capture_sizes()} "
                     f"is at or above decoder_replay_trim_threshold={cfg.decoder_replay_trim_threshold}: give "
                     "capture sizes below it")
-        return f"{mode}, and the model's attention cannot run in one (the cudagraph_mode fallback says why)"
+        if not model.full_sizes:  # the build refused every graph size
+            return f"{mode}, and no graph size was kept (the main_graphs_padding_unsafe fallback says why)"
+        return f"{mode}, and none of its sizes was kept (the cudagraph_mode fallback says why)"
     if not model.main_level.sizes:
         return f"no main graph size (the plan: {model.plan.replay_off_reason or 'main graphs refused'})"
     return "every piece ran eagerly"

@@ -36,6 +36,7 @@ from ..compat import graphs as compat_graphs
 from ..counters import counters
 from ..fallbacks import process_fallback
 from ..lifecycle import Lifecycle
+from ..passes.split import GRAPH_INPUT
 
 log = logging.getLogger("replay_backend")
 
@@ -193,7 +194,7 @@ class StaticGraph:
         for i, (got, want) in enumerate(zip(addresses(args), self.addresses)):
             if got != want:
                 source = self.sources[i] if i < len(self.sources) else ""
-                fix = (STABLE_INPUTS if source.startswith("the graph input") else
+                fix = (STABLE_INPUTS if source.startswith(GRAPH_INPUT) else
                        "Every eager op between pieces must write into a buffer allocated by the preceding piece")
                 raise RuntimeError(
                     f"{self.name}: input {i}{f' ({source})' if source else ''} changed since capture ({want!r} -> "

@@ -102,6 +102,14 @@ def symbolic_dims(t) -> list[int]:
     return [i for i, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and not _is_constant(s)]
 
 
+def same_size(a: torch.SymInt, b: torch.SymInt) -> bool:
+    """Whether two symbolic sizes are the same expression (one symbol, say)."""
+    try:
+        return a.node.expr == b.node.expr
+    except AttributeError:  # pragma: no cover
+        return False
+
+
 def _is_constant(s: torch.SymInt) -> bool:
     try:
         return s.node.is_constant() or not s.node.expr.free_symbols

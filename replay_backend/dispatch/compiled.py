@@ -42,7 +42,7 @@ class CompiledReplayModel:
                  replay: ReplayRuntime | None, token_inputs: list[int], sym_inputs: list[int],
                  res: GraphResources, calls=None, sources=None, dump_dir: str | None = None,
                  dp_group=None, full_sizes: list[int] | None = None,
-                 number_inputs: tuple[int, ...] | None = None) -> None:
+                 number_inputs: tuple[int, ...] | None = None, int_inputs: tuple[int, ...] = ()) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
         self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
@@ -60,7 +60,7 @@ class CompiledReplayModel:
         self.output_row_bytes = 0  # the step's outputs per token row, measured with the memory estimate
         # The fixed buffers graphed steps read, as long as the largest graph's rows.
         self.inputs = StepInputs(token_inputs, sym_inputs, number_inputs,
-                                 max((*main_level.sizes, *self.full_sizes), default=0))
+                                 max((*main_level.sizes, *self.full_sizes), default=0), int_inputs)
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).
@@ -142,7 +142,7 @@ class CompiledReplayModel:
             self.calls.record(self, args, out)
         return out
 
-    def decide(self, ctx, num_tokens: int, args=()) -> StepPlan:
+    def decide(self, ctx, num_tokens: int, args) -> StepPlan:
         """The step's one decision (dispatch/decide.py), made before it runs, agreed with
         the data-parallel ranks (agree.py); while the main graphs are captured every rank
         captures the same size, and nothing needs agreeing. ``args``: the step's, whose
@@ -162,7 +162,7 @@ class CompiledReplayModel:
             # Counted where a graph would have run; over data-parallel ranks whether one
             # would is the agreed step's, not known here.
             if self._agrees or self._plan(ctx, num_tokens, True, None, full).runs_graphs:
-                self._fallback(Fallback.NUMBER_CHANGED, f"a Python number Dynamo passes as a tensor changed since "
+                self._fallback(Fallback.NUMBER_CHANGED, f"a Python number the model is called with changed since "
                                f"the first call ({changed}); captured graphs hold its first value, so this step "
                                "runs without graphs. Keep it constant, or make it a 0-dim tensor on the model's "
                                "device that you update in place")

@@ -3,10 +3,11 @@ every step's token inputs are copied into one buffer each, padded with zero rows
 0 at position 0, whose writes go to the pad slot), and its 0-dim device tensors into
 fixed ones.
 
-Python numbers are another matter. Dynamo passes them (under ``dynamic=True``) as fresh
-0-dim host tensors, which a kernel takes by value when it is launched, or which the
-graph turns into host numbers (``.item()``): a captured graph holds the value it saw at
-capture, whatever the step passes. So the first call's values are pinned, every graph
+Python numbers are another matter. Dynamo passes them (under ``dynamic=True``) afresh
+on every call: a float as a 0-dim host tensor, which a kernel takes by value when it is
+launched or which the graph turns into a host number (``.item()``), an int as a
+symbolic int. Either way a captured graph holds the value it saw at capture, whatever
+the step passes. So the first call's values are pinned, every graph
 reads them (one fixed tensor each), and a step that passes another value cannot run
 graphs (:meth:`StepInputs.changed_number`)."""
 from __future__ import annotations
@@ -21,11 +22,14 @@ class StepInputs:
     arguments whose first dimension is the token count; ``sym_inputs``: the token count
     itself; ``number_inputs``: the Python numbers Dynamo passes as fresh 0-dim tensors
     (compat.dynamo.number_inputs; None: not known from the trace); ``rows``: the most
-    rows a graphed step pads to, each token buffer's length."""
+    rows a graphed step pads to, each token buffer's length; ``int_inputs``: the Python
+    ints of the call (symbolic ints other than the token count)."""
 
     def __init__(self, token_inputs: list[int], sym_inputs: list[int],
-                 number_inputs: tuple[int, ...] | None = None, rows: int = 0) -> None:
+                 number_inputs: tuple[int, ...] | None = None, rows: int = 0,
+                 int_inputs: tuple[int, ...] = ()) -> None:
         self.token_inputs, self.sym_inputs, self.rows = token_inputs, sym_inputs, rows
+        self.int_inputs = int_inputs
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
         # Never a model's own 0-dim buffer: a step that updates it in place (a step
@@ -44,7 +48,8 @@ class StepInputs:
         zero_dim = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
                     and (i in known if known is not None else not isinstance(a, torch.nn.Parameter))]
         self.pinned = {i: args[i].clone() for i in zero_dim if args[i].device.type == "cpu"}
-        self._pinned_values = tuple(t.item() for t in self.pinned.values())
+        self.pinned.update({i: args[i] for i in self.int_inputs})
+        self._pinned_values = tuple(_value(v) for v in self.pinned.values())
         self.scalar_inputs = tuple(i for i in zero_dim if i not in self.pinned)
 
     def check_rows(self, batch, args) -> None:
@@ -62,7 +67,7 @@ class StepInputs:
         graph holds: the first such input and both values (None: all as pinned)."""
         if not self.pinned:
             return None
-        values = tuple(args[i].item() for i in self.pinned)
+        values = tuple(_value(args[i]) for i in self.pinned)
         if values == self._pinned_values:
             return None
         k = next(k for k, (a, b) in enumerate(zip(values, self._pinned_values)) if a != b)
@@ -101,7 +106,8 @@ class StepInputs:
             else:
                 fixed.copy_(args[i])
             new[i] = fixed
-        self._pin(new)
+        if self.pinned:
+            self._pin(new)
         return new
 
     def eager_padded(self, args, tp: int, graphed_region: bool) -> list:
@@ -118,3 +124,8 @@ class StepInputs:
         if graphed_region:
             self._pin(new)
         return new
+
+
+def _value(x):
+    """A pinned number's value: a host tensor's item, an int as it is."""
+    return x.item() if isinstance(x, torch.Tensor) else x
