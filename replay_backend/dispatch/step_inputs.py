@@ -7,9 +7,9 @@ Python numbers are another matter. Dynamo passes them (under ``dynamic=True``) a
 on every call: a float as a 0-dim host tensor, which a kernel takes by value when it is
 launched or which the graph turns into a host number (``.item()``), an int as a
 symbolic int. Either way a captured graph holds the value it saw at capture, whatever
-the step passes. So the first call's values are pinned, every graph
-reads them (one fixed tensor each), and a step that passes another value cannot run
-graphs (:meth:`StepInputs.changed_number`)."""
+the step passes. So the first call's values are pinned, every graph reads them (one
+fixed tensor each, the ints as they are), and a step that passes another value cannot
+run graphs (:meth:`StepInputs.changed_number`)."""
 from __future__ import annotations
 
 import torch
@@ -37,7 +37,7 @@ class StepInputs:
         self.numbers = number_inputs
         self.scalar_inputs: tuple[int, ...] = ()  # 0-dim device tensors, copied per step
         self.scalars: dict[int, torch.Tensor] = {}
-        self.pinned: dict[int, torch.Tensor] = {}  # host numbers: the first call's, one tensor each
+        self.pinned: dict[int, torch.Tensor | int] = {}  # the first call's numbers: a host tensor or an int
         self._pinned_values: tuple = ()
 
     def find_scalars(self, args) -> None:
