@@ -36,7 +36,7 @@ def test_every_token_count_runs_on_the_one_trace_on_cuda_graphs():
     assert (1, False) in kinds and (64, True) in kinds
 
 
-@pytest.mark.parametrize("case", [0, 1, 2])
+@pytest.mark.parametrize("case", [0, 1, 2, 3])
 def test_python_numbers_on_cuda_graphs_with_inductor_pieces(case):
     """Plain ``torch.compile(dynamic=True)``: a float argument, which Dynamo passes as a
     host tensor and a CUDA graph holds by value, runs in graphs only at the value they

@@ -372,6 +372,23 @@ class RegionScaledLlama(LlamaSWA):
         return (self.norm(x),)
 
 
+class UnpaddedRegionScaledLlama(RegionScaledLlama):
+    """The same, with the token count read as a value: its main graphs are refused
+    (padding would change it), so every warm-up step runs eagerly while the region is
+    still captured, on what the trim op kept of the last of them."""
+
+    def forward(self, input_ids, positions, scale: float):
+        x = self.embed(input_ids) + self.pos(positions)
+        x = x + x.shape[0] * 1e-3
+        for layer in self.layers[:self.replay_from]:
+            x = layer(x)
+        (x,) = replay_backend.replay_begin(x, window=self.window)
+        for layer in self.layers[self.replay_from:]:
+            x = layer(x) * scale
+        (x,) = replay_backend.replay_end(x)
+        return (self.norm(x),)
+
+
 # (requests, scale, kind, whether the replay region ran graphs, whether a number_changed
 # fallback is counted: another scale than the trace's 1.0 where a graph would have run)
 NUMBER_STEPS = [
@@ -387,6 +404,9 @@ NUMBER_STEPS = [
                          ([RequestChunk("c", 100, 100)], 2.0, "eager", False, True),
                          ([RequestChunk("a", 1, 21)], 3.0, "eager", False, True),
                          ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True, False)]),
+    (UnpaddedRegionScaledLlama, [([RequestChunk("a", 20, 20)], 1.0, "eager", True, False),
+                                 ([RequestChunk("b", 20, 20)], 2.0, "eager", False, True),
+                                 ([RequestChunk("c", 20, 20)], 1.0, "eager", True, False)]),
     # an int argument: Dynamo passes it as a symbolic int, not the token count
     (ScaledLlama, [([RequestChunk("a", 20, 20)], 1, "piecewise", True, False),
                    ([RequestChunk("a", 1, 21)], 3, "eager", False, True),
@@ -403,18 +423,20 @@ def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol:
     server, eager = LlamaServer(model), LlamaServer(oracle)
     serving = []
 
-    def step(fn, requests, scale):
+    def step(fn, requests, scale, use_graphs=True):
         blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in requests]
         tokens = [server.tokens(r) for r in requests]
         on = server if fn is compiled else eager
         be = replay_backend.backend_of(compiled) if fn is compiled and serving else None
         batch = (be.build_batch(requests, tokens, blocks) if be is not None else
                  replay_backend.build_step_batch(requests, tokens, blocks, server.layout, W, device))
-        with torch.no_grad(), replay_backend.set_forward_context(on.setup.context(batch)):
+        with torch.no_grad(), replay_backend.set_forward_context(on.setup.context(batch, use_graphs=use_graphs)):
             (hidden,) = fn(batch.input_ids, batch.positions, scale)
         return hidden[batch.logits_indices], (be.last_step if be is not None else None)
 
-    step(compiled, [RequestChunk("w", 9, 9)], type(steps[0][1])(1))  # the trace, at 1 (or 1.0)
+    # The trace, at 1 (or 1.0), without graphs as a server's warm-up runs it: what the
+    # trim op keeps of it is what capture's replay graphs are captured on.
+    step(compiled, [RequestChunk("w", 9, 9)], type(steps[0][1])(1), use_graphs=False)
     be = replay_backend.backend_of(compiled)
     be.capture(server.setup)
     be.start_serving()
@@ -439,6 +461,41 @@ def test_a_python_number_runs_in_graphs_only_at_the_value_they_hold(cls, steps):
     another value runs without graphs, a counted fallback. Every step matches the
     eager model, and a 0-dim buffer is still updated in place."""
     serve_numbers(cls, steps)
+
+
+class IntRegionLlama(LlamaSWA):
+    """A Python int argument read inside the replay layers."""
+
+    def __init__(self) -> None:
+        super().__init__(window=W)
+
+    def forward(self, input_ids, positions, n: int):
+        x = self.embed(input_ids) + self.pos(positions)
+        for layer in self.layers[:self.replay_from]:
+            x = layer(x)
+        (x,) = replay_backend.replay_begin(x, window=self.window)
+        for layer in self.layers[self.replay_from:]:
+            x = layer(x) + n * 1e-3
+        (x,) = replay_backend.replay_end(x)
+        return (self.norm(x),)
+
+
+def test_an_int_argument_read_in_the_replay_layers_is_a_fallback_that_says_what_to_do(caplog):
+    """Under dynamic=True the int is symbolic, and the trim op hands the region tensors
+    only: no region (a counted fallback) whose reason names the int and the way out,
+    rather than calling it a token-indexed value; the steps are still right."""
+    model = IntRegionLlama().eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(model)
+    step = [RequestChunk("a", 20, 20)]
+    batch = replay_backend.build_step_batch(step, [server.tokens(r) for r in step], [0], server.layout, W, "cpu")
+    with counters.expect(strict=False, fallbacks={"replay_region_unsupported": 1}), \
+            caplog.at_level("WARNING", logger="replay_backend"), torch.no_grad(), \
+            replay_backend.set_forward_context(server.setup.context(batch)):
+        (got,) = compiled(batch.input_ids, batch.positions, 3)
+        (want,) = model(batch.input_ids, batch.positions, 3)
+    assert "reads l_n_, a Python int the model is called with" in caplog.text, caplog.text
+    assert max_abs_err(got, want) <= 1e-5
 
 
 class GatedLlama(LlamaSWA):

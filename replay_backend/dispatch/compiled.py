@@ -211,9 +211,7 @@ class CompiledReplayModel:
         plan = self.decide(ctx, t, args)
         if ctx is not None:
             ctx.plan, ctx.replay_runtime = plan, self.replay
-        if plan.kind is StepKind.EAGER and plan.padded_tokens == t and plan.replay_padded is None:
-            return self.split_gm(*args), plan
-        if plan.kind is StepKind.EAGER:  # padded to the largest rank's tokens, or its region in graphs
+        if plan.kind is StepKind.EAGER:
             return self._eager_padded(args, t, plan), plan
         tp = plan.padded_tokens
         new = self.inputs.padded(args, t, tp)
@@ -249,8 +247,11 @@ class CompiledReplayModel:
 
     def _eager_padded(self, args, t: int, plan: StepPlan) -> tuple:
         """A step whose main layers run without graphs, on the plan's padded rows, ``t``
-        of them real."""
-        new = self.inputs.eager_padded(args, plan.padded_tokens, plan.replay_padded is not None)
+        of them real. The pinned numbers go in wherever the step's own still equal them:
+        whatever the trim op keeps of this step (capture's replay graphs are captured on
+        the last step's) must be what every graph reads."""
+        pin = plan.replay_padded is not None or self.inputs.changed_number(args) is None
+        new = self.inputs.eager_padded(args, plan.padded_tokens, pin)
         out = self.split_gm(*new)
         return tuple(o[:t] if isinstance(o, torch.Tensor) else o for o in out)
 

@@ -110,18 +110,17 @@ class StepInputs:
             self._pin(new)
         return new
 
-    def eager_padded(self, args, tp: int, graphed_region: bool) -> list:
+    def eager_padded(self, args, tp: int, pin: bool) -> list:
         """``args`` with zero rows appended to the token inputs, up to ``tp`` rows: a step
         whose main layers run without graphs, padded to the data-parallel ranks' agreed
-        size; ``graphed_region``: its replay region runs graphs, which read the pinned
-        numbers."""
+        size; ``pin``: with the pinned numbers (the step's own equal them)."""
         new = list(args)
         for i in self.token_inputs:
             if args[i].shape[0] != tp:
                 new[i] = pad_rows(args[i], tp)
         for i in self.sym_inputs:
             new[i] = tp
-        if graphed_region:
+        if pin and self.pinned:
             self._pin(new)
         return new
 
