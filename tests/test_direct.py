@@ -214,6 +214,16 @@ def test_learn_rebuilds_a_structured_result_and_checks_constant_arguments():
     assert "argument scale is 3, traced as 2" in entry.mismatch(entry.bind((ids, pos), {"scale": 3}))
 
 
+def test_a_tuple_of_constants_is_a_constant_argument_compared_element_by_element():
+    m, w = _Model(), torch.ones(3)
+    ids, pos = torch.arange(6), torch.arange(6)
+    entry = _learn(m, (6, ids, w, pos), m(6, ids, w, pos), ids, pos, m.result, {id(w)}, dims=(1, 2.0, None))
+    assert isinstance(entry, direct.DirectEntry) and entry.constants == (("dims", (1, 2.0, None)),)
+    assert entry.mismatch(entry.bind((ids, pos), {"dims": (1, 2.0, None)})) is None
+    for other in ((1, 2, None), (1, 2.0), (True, 2.0, None)):  # 2 is not 2.0, True is not 1
+        assert "argument dims is" in entry.mismatch(entry.bind((ids, pos), {"dims": other})), other
+
+
 @pytest.mark.parametrize("args, fixed, returned, reason", [
     ([6, "ids", "stray", "pos"], True, True, "graph argument 2 .* neither a forward input"),
     ([6, "ids", "w", "pos"], False, True, "graph argument 2 .* parameter or buffer"),

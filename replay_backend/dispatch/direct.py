@@ -183,6 +183,8 @@ class DirectEntry:
 
 
 def _same_constant(a, b) -> bool:
+    if type(a) is tuple and type(b) is tuple:  # element by element: (1, True) is not (1, 1)
+        return len(a) == len(b) and all(_same_constant(x, y) for x, y in zip(a, b))
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - a value without a plain equality is not the traced one
@@ -190,6 +192,11 @@ def _same_constant(a, b) -> bool:
 
 
 _CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _is_constant(x) -> bool:
+    """A plain constant, or a tuple of them (Dynamo guards both by value)."""
+    return isinstance(x, _CONSTANT_TYPES) or (type(x) is tuple and all(_is_constant(v) for v in x))
 
 
 def learn(model, args: tuple, outputs: tuple, bound: Mapping[str, Any], params: Sequence[str], result,
@@ -222,7 +229,7 @@ def learn(model, args: tuple, outputs: tuple, bound: Mapping[str, Any], params: 
     for name, x in bound.items():
         if name in tensors:
             continue
-        if not isinstance(x, _CONSTANT_TYPES):
+        if not _is_constant(x):
             return f"forward argument {name} is a {type(x).__name__}, not a tensor or a plain constant"
         constants.append((name, x))
     inputs, specs = [], []
