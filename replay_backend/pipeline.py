@@ -57,6 +57,11 @@ class Traced:
         """The token-count symbols of the graph's inputs."""
         return [self.fake_inputs[i].shape[0] for i in self.token_inputs] + [self.fake_inputs[i] for i in self.sym_inputs]
 
+    @property
+    def int_sizes(self) -> list:
+        """The symbols of the Python ints of the call."""
+        return [self.fake_inputs[i] for i in self.int_inputs]
+
 
 @dataclass
 class RegionParts:
@@ -88,7 +93,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     # A trace that holds for one token count only fails here, before the passes read its
     # shapes: a token dimension fixed by the trace is no token dimension to them.
     admit_every_token_count(traced.fake_mode, traced.token_sizes, cfg.max_num_batched_tokens, res.fallback,
-                            relax=False)
+                            relax=False, int_sizes=traced.int_sizes)
     # Attention breaks and KV sources as the model declared them (passes/roles.py),
     # unless the options name the splitting ops.
     splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)
@@ -110,7 +115,8 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         for name, sources in input_sources(gm, infos).items():
             gm.get_submodule(name).input_sources = sources
     # Last: compiling the pieces records guards on the token count too.
-    admit_every_token_count(traced.fake_mode, traced.token_sizes, cfg.max_num_batched_tokens, res.fallback)
+    admit_every_token_count(traced.fake_mode, traced.token_sizes, cfg.max_num_batched_tokens, res.fallback,
+                            int_sizes=traced.int_sizes)
     plan = _split_plan(cfg, region, main_sizes, main_infos, parts, off_reason, splitting)
     sources = inspection.GraphSources(before_split, region.graph if region is not None else None)
     dump_dir = inspection.dump_dir_for(cfg.debug_dump_path, graph_index) if cfg.debug_dump_path else None

@@ -498,6 +498,43 @@ def test_an_int_argument_read_in_the_replay_layers_is_a_fallback_that_says_what_
     assert max_abs_err(got, want) <= 1e-5
 
 
+class SlicedLlama(LlamaSWA):
+    """A Python int argument that slices the hidden dimension: Dynamo's guards on the
+    slice relate the token count to the int."""
+
+    def __init__(self) -> None:
+        super().__init__(window=W)
+
+    def forward(self, input_ids, positions, n: int):
+        x = self.embed(input_ids) + self.pos(positions)
+        x = torch.cat([x[:, :n] * 1.5, x[:, n:]], dim=1)
+        for layer in self.layers[:self.replay_from]:
+            x = layer(x)
+        (x,) = replay_backend.replay_begin(x, window=self.window)
+        for layer in self.layers[self.replay_from:]:
+            x = layer(x)
+        (x,) = replay_backend.replay_end(x)
+        return (self.norm(x),)
+
+
+def test_a_guard_relating_the_token_count_to_an_int_argument_is_checked_at_its_value():
+    """The int is pinned at its traced value, so a guard on the token count times it is
+    checked for every token count at that value, not refused as unknowable; every
+    step matches the eager model."""
+    model = SlicedLlama().eval()
+    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
+    server = LlamaServer(model)
+    for k, step in enumerate(([RequestChunk("a", 20, 20)], [RequestChunk("a", 1, 21)], [RequestChunk("b", 100, 100)])):
+        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in step]
+        batch = replay_backend.build_step_batch(step, [server.tokens(r) for r in step], blocks, server.layout, W,
+                                                "cpu")
+        with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
+            (got,) = compiled(batch.input_ids, batch.positions, 3)
+            (want,) = model(batch.input_ids, batch.positions, 3)
+        rows = batch.logits_indices  # the rows a trimmed step computes for its caller
+        assert max_abs_err(got[rows], want[rows]) <= 1e-5, k
+
+
 class GatedLlama(LlamaSWA):
     """A tensor argument the output reads: a per-step gate."""
 

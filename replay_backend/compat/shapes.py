@@ -79,24 +79,39 @@ def _compiled(expr, symbols: set) -> tuple[str, Callable[[int], bool]]:
     return code, holds
 
 
-def token_guards(shape_env, symbols: set) -> list[TokenGuard]:
-    """The recorded guards whose expression involves only token symbols (those with
-    other symbols are returned too, their ``holds`` raising: the caller refuses them)."""
+def token_guards(shape_env, symbols: set, fixed: Iterable = ()) -> list[TokenGuard]:
+    """The recorded guards whose expression involves token symbols, with each symbol of
+    ``fixed`` (a value the graphs hold fixed, a Python int of the call) set to the value
+    it was traced with. Those with other symbols are returned too, their ``holds``
+    raising: the caller refuses them."""
+    values = traced_values(shape_env)
+    known = {s: values[s] for s in fixed if s in values}
     out = []
     for i, g in enumerate(shape_env.guards):
         free = set(g.expr.free_symbols)
         if not free & symbols:
             continue
         where = str(getattr(g, "sloc", "") or "")
-        if free - symbols:
+        if free - symbols - set(known):
             text = str(g.expr)
 
             def holds(n: int, _text=text) -> bool:
                 raise ValueError(f"{_text} relates the token count to other sizes")
         else:
-            text, holds = _compiled(g.expr, free)
+            expr = g.expr.subs(known) if free - symbols else g.expr
+            text, holds = _compiled(expr, free & symbols)
         out.append(TokenGuard(i, text, where, holds))
     return out
+
+
+def traced_values(shape_env) -> dict:
+    """Each symbol's value in the traced call (its hint), or nothing where this torch
+    keeps them elsewhere."""
+    for name in ("backed_var_to_val", "var_to_val"):  # the newer name first: the older warns
+        values = getattr(shape_env, name, None)
+        if isinstance(values, dict):
+            return values
+    return {}
 
 
 def drop_guards(shape_env, indices: Iterable[int]) -> None:

@@ -43,11 +43,13 @@ class TokenCountError(ValueError):
 
 
 def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
-                            fallback: Callable[[str, str], None], relax: bool = True) -> None:
+                            fallback: Callable[[str, str], None], relax: bool = True, int_sizes: list = ()) -> None:
     """Check the graph traced under ``fake_mode`` admits every count from 2 to
     ``max_tokens`` and relax what refuses only 1. ``token_sizes``: the token-count
-    SymInts of the graph's inputs. ``relax=False``: check only (before the pieces are
-    compiled, which may add guards of their own: the relaxing comes after them)."""
+    SymInts of the graph's inputs; ``int_sizes``: its other SymInt inputs (Python ints
+    of the call, which graphs hold at their traced values: guards are checked there).
+    ``relax=False``: check only (before the pieces are compiled, which may add guards
+    of their own: the relaxing comes after them)."""
     env = shapes.shape_env_of(fake_mode)
     if env is None:
         return
@@ -62,7 +64,7 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
                  "call through Dynamo recompiles")
         return
     one_only = []
-    for guard in shapes.token_guards(env, syms):
+    for guard in shapes.token_guards(env, syms, shapes.symbols_of(env, int_sizes) - syms):
         try:
             bad = next((n for n in range(2, max_tokens + 1) if not guard.holds(n)), None)
         except Exception as e:  # noqa: BLE001 - a guard that cannot be evaluated for one count
