@@ -107,9 +107,9 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> Ext
             return local_sizes[v.node.expr]
         if syms and not syms & token_syms:  # the trim op passes the region tensors only
             raise ReplayRegionError(
-                f"the replay region reads {x.name}, a Python int the model is called with (symbolic under "
+                f"the replay region reads {x.name}, a Python number the model is called with (symbolic under "
                 "dynamic=True), and takes nothing but tensors from outside it: trace with the token dimension "
-                "alone dynamic (replay_backend.compile, or mark_token_dims), or pass the int as a 0-dim tensor")
+                "alone dynamic (replay_backend.compile, or mark_token_dims), or pass the number as a 0-dim tensor")
         if syms:
             raise ReplayRegionError(
                 f"the replay region reads {x.name}, a token-indexed value computed outside it; "

@@ -55,7 +55,8 @@ class Traced:
     @property
     def token_sizes(self) -> list:
         """The token-count symbols of the graph's inputs."""
-        return [self.fake_inputs[i].shape[0] for i in self.token_inputs] + [self.fake_inputs[i] for i in self.sym_inputs]
+        return ([self.fake_inputs[i].shape[0] for i in self.token_inputs]
+                + [self.fake_inputs[i] for i in self.sym_inputs])
 
     @property
     def int_sizes(self) -> list:
@@ -136,6 +137,11 @@ def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Trac
             if dims and dims != [0]:
                 raise ValueError(f"graph input {i} is dynamic in dims {dims}: dsv41_replay supports "
                                  "graphs dynamic only in the token count (dim 0)")
+            if layout := compat_dynamo.symbolic_layout(x):
+                name = [n.name for n in gm.graph.nodes if n.op == "placeholder"][i]
+                raise ValueError(f"graph input {i} ({name}) was traced as a view into a larger tensor "
+                                 f"({', '.join(layout)} symbolic): give the model's first call tensors of their "
+                                 "own (a slice's .clone()); later calls may pass views")
             if dims:
                 tokens.append(i)
     # A symbolic int is the token count where it is the token inputs' row count; any

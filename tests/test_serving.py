@@ -2,6 +2,7 @@
 record, the one-trace check, and the errors that name a misuse."""
 from __future__ import annotations
 
+import re
 import pytest
 import torch
 from torch import nn
@@ -494,7 +495,7 @@ def test_an_int_argument_read_in_the_replay_layers_is_a_fallback_that_says_what_
             replay_backend.set_forward_context(server.setup.context(batch)):
         (got,) = compiled(batch.input_ids, batch.positions, 3)
         (want,) = model(batch.input_ids, batch.positions, 3)
-    assert "reads l_n_, a Python int the model is called with" in caplog.text, caplog.text
+    assert "reads l_n_, a Python number the model is called with" in caplog.text, caplog.text
     assert max_abs_err(got, want) <= 1e-5
 
 
@@ -533,6 +534,30 @@ def test_a_guard_relating_the_token_count_to_an_int_argument_is_checked_at_its_v
             (want,) = model(batch.input_ids, batch.positions, 3)
         rows = batch.logits_indices  # the rows a trimmed step computes for its caller
         assert max_abs_err(got[rows], want[rows]) <= 1e-5, k
+
+
+def test_a_first_call_on_views_into_larger_tensors_is_refused_naming_the_input():
+    """Token inputs sliced from larger buffers on the tracing call trace their storage
+    offset as a symbol of its own, which the split cannot bind: one clear error naming
+    the input and the way out, and the same call with tensors of their own serves."""
+    model = LlamaSWA(window=W).eval()
+    server = LlamaServer(model)
+    step = [RequestChunk("a", 20, 20)]
+    batch = replay_backend.build_step_batch(step, [server.tokens(r) for r in step], [0], server.layout, W, "cpu")
+    pad = torch.zeros(7, dtype=torch.int64)
+    ids, pos = (torch.cat([pad, x])[7:] for x in (batch.input_ids, batch.positions))
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS)
+    with pytest.raises(Exception) as info, torch.no_grad(), \
+            replay_backend.set_forward_context(server.setup.context(batch)):
+        compiled(ids, pos)
+    assert re.search(r"graph input \d+ \(\w*input_ids\w*\) was traced as a view into a larger tensor \(storage "
+                     r"offset s\d+ symbolic\).*\.clone\(\)", str(user_error(info.value))), info.value
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTIONS)
+    with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
+        (got,) = compiled(ids.clone(), pos.clone())
+        (want,) = model(batch.input_ids, batch.positions)
+    rows = batch.logits_indices
+    assert max_abs_err(got[rows], want[rows]) <= 1e-5
 
 
 class GatedLlama(LlamaSWA):

@@ -102,6 +102,18 @@ def symbolic_dims(t) -> list[int]:
     return [i for i, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and not _is_constant(s)]
 
 
+def symbolic_layout(t) -> list[str]:
+    """What of a (fake) tensor's layout Dynamo traced symbolic besides its shape: its
+    storage offset or strides (a view into a larger tensor)."""
+    found = []
+    offset = t.storage_offset()
+    if isinstance(offset, torch.SymInt) and not _is_constant(offset):
+        found.append(f"storage offset {offset}")
+    found += [f"stride {i} = {s}" for i, s in enumerate(t.stride())
+              if isinstance(s, torch.SymInt) and not _is_constant(s)]
+    return found
+
+
 def same_size(a: torch.SymInt, b: torch.SymInt) -> bool:
     """Whether two symbolic sizes are the same expression (one symbol, say)."""
     try:
