@@ -50,6 +50,7 @@ class Traced:
     token_inputs: list[int]  # tensors whose first dimension is the token count
     sym_inputs: list[int]  # the symbolic token count itself
     int_inputs: list[int]  # other symbolic ints: Python ints of the call, passed afresh each step
+    names: tuple[str, ...]  # each input's placeholder name, for messages
     use_cuda: bool  # graphs on CUDA (else emulated on the CPU)
 
     @property
@@ -124,12 +125,13 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     return CompiledReplayModel(split, cfg, plan, main_level, parts.runtime if parts else None, traced.token_inputs,
                                traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir,
                                dp_group=dp_group, full_sizes=full_sizes, number_inputs=numbers,
-                               int_inputs=tuple(traced.int_inputs))
+                               int_inputs=tuple(traced.int_inputs), input_names=traced.names)
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:
     fake_mode = compat_dynamo.detect_fake_mode(example_inputs)
     fake_inputs = compat_dynamo.fakeify(fake_mode, example_inputs) if fake_mode else list(example_inputs)
+    names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     tokens = []
     for i, x in enumerate(fake_inputs):
         if isinstance(x, torch.Tensor):
@@ -138,8 +140,7 @@ def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Trac
                 raise ValueError(f"graph input {i} is dynamic in dims {dims}: dsv41_replay supports "
                                  "graphs dynamic only in the token count (dim 0)")
             if layout := compat_dynamo.symbolic_layout(x):
-                name = [n.name for n in gm.graph.nodes if n.op == "placeholder"][i]
-                raise ValueError(f"graph input {i} ({name}) was traced as a view into a larger tensor "
+                raise ValueError(f"graph input {i} ({names[i]}) was traced as a view into a larger tensor "
                                  f"({', '.join(layout)} symbolic): give the model's first call tensors of their "
                                  "own (a slice's .clone()); later calls may pass views")
             if dims:
@@ -153,7 +154,7 @@ def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Trac
             (syms if any(compat_dynamo.same_size(x, c) for c in counts) else ints).append(i)
     use_cuda = cfg.graphs_enabled and bool(tokens) and any(
         isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
-    return Traced(fake_mode, fake_inputs, tokens, syms, ints, use_cuda)
+    return Traced(fake_mode, fake_inputs, tokens, syms, ints, names, use_cuda)
 
 
 def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphResources

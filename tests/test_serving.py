@@ -454,14 +454,17 @@ def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol:
 
 
 @pytest.mark.parametrize("cls, steps", NUMBER_STEPS)
-def test_a_python_number_runs_in_graphs_only_at_the_value_they_hold(cls, steps):
+def test_a_python_number_runs_in_graphs_only_at_the_value_they_hold(cls, steps, caplog):
     """Under plain ``torch.compile(dynamic=True)`` a float argument reaches the graph
     as a fresh host tensor per call, which a captured graph holds by value (a kernel
     argument, or ``.item()``). Graphs run at the first call's value only, pinned in one
     tensor that every graph reads (an eager step's replay graph too); a step with
     another value runs without graphs, a counted fallback. Every step matches the
-    eager model, and a 0-dim buffer is still updated in place."""
-    serve_numbers(cls, steps)
+    eager model, and a 0-dim buffer is still updated in place. The fallback names the
+    input as traced, and both values."""
+    with caplog.at_level("WARNING", logger="replay_backend"):
+        serve_numbers(cls, steps)
+    assert re.search(r"\[number_changed\].*\(input \d+ \(\w*scale\w*\): 1(\.0)? -> ", caplog.text), caplog.text
 
 
 class IntRegionLlama(LlamaSWA):

@@ -42,7 +42,8 @@ class CompiledReplayModel:
                  replay: ReplayRuntime | None, token_inputs: list[int], sym_inputs: list[int],
                  res: GraphResources, calls=None, sources=None, dump_dir: str | None = None,
                  dp_group=None, full_sizes: list[int] | None = None,
-                 number_inputs: tuple[int, ...] | None = None, int_inputs: tuple[int, ...] = ()) -> None:
+                 number_inputs: tuple[int, ...] | None = None, int_inputs: tuple[int, ...] = (),
+                 input_names: tuple[str, ...] = ()) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
         self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
@@ -60,7 +61,7 @@ class CompiledReplayModel:
         self.output_row_bytes = 0  # the step's outputs per token row, measured with the memory estimate
         # The fixed buffers graphed steps read, as long as the largest graph's rows.
         self.inputs = StepInputs(token_inputs, sym_inputs, number_inputs,
-                                 max((*main_level.sizes, *self.full_sizes), default=0), int_inputs)
+                                 max((*main_level.sizes, *self.full_sizes), default=0), int_inputs, input_names)
         # For inspection (plan_of, dumps), never read by dispatch: steps per padded size of
         # each runner since capture, the last capture summary, the graphs as traced
         # (inspection.GraphSources) and this model's dump directory (None: no dump).

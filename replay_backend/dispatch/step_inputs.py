@@ -23,13 +23,14 @@ class StepInputs:
     itself; ``number_inputs``: the Python numbers Dynamo passes as fresh 0-dim tensors
     (compat.dynamo.number_inputs; None: not known from the trace); ``rows``: the most
     rows a graphed step pads to, each token buffer's length; ``int_inputs``: the Python
-    ints of the call (symbolic ints other than the token count)."""
+    ints of the call (symbolic ints other than the token count); ``names``: each input's
+    name in the traced graph, for messages."""
 
     def __init__(self, token_inputs: list[int], sym_inputs: list[int],
                  number_inputs: tuple[int, ...] | None = None, rows: int = 0,
-                 int_inputs: tuple[int, ...] = ()) -> None:
+                 int_inputs: tuple[int, ...] = (), names: tuple[str, ...] = ()) -> None:
         self.token_inputs, self.sym_inputs, self.rows = token_inputs, sym_inputs, rows
-        self.int_inputs = int_inputs
+        self.int_inputs, self.names = int_inputs, names
         self.buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, int] = {}  # per buffer: the rows past this one are zero
         # Never a model's own 0-dim buffer: a step that updates it in place (a step
@@ -71,7 +72,9 @@ class StepInputs:
         if values == self._pinned_values:
             return None
         k = next(k for k, (a, b) in enumerate(zip(values, self._pinned_values)) if a != b)
-        return f"input {list(self.pinned)[k]}: {self._pinned_values[k]!r} -> {values[k]!r}"
+        i = list(self.pinned)[k]
+        name = f" ({self.names[i]})" if i < len(self.names) else ""
+        return f"input {i}{name}: {self._pinned_values[k]!r} -> {values[k]!r}"
 
     def _pin(self, new: list) -> None:
         for i, fixed in self.pinned.items():
