@@ -355,22 +355,43 @@ class ScaledLlama(CountingLlama):
         return (x * scale,)
 
 
-class RegionScaledLlama(LlamaSWA):
-    """A Python number argument read inside the replay layers: the replay region's
-    graphs take it as an input of their own."""
+class NumberLlama(LlamaSWA):
+    """The Llama model with one Python number more in its call, which ``front(x, a)``
+    applies to the embeddings and ``replay(x, a)`` to each replay layer's output (each
+    subclass's forward names the argument, as Dynamo names its graph input)."""
 
     def __init__(self) -> None:
         super().__init__(window=W)
 
-    def forward(self, input_ids, positions, scale: float):
-        x = self.embed(input_ids) + self.pos(positions)
+    @staticmethod
+    def front(x, a):
+        return x
+
+    @staticmethod
+    def replay(x, a):
+        return x
+
+    def _forward(self, input_ids, positions, a):
+        x = self.front(self.embed(input_ids) + self.pos(positions), a)
         for layer in self.layers[:self.replay_from]:
             x = layer(x)
         (x,) = replay_backend.replay_begin(x, window=self.window)
         for layer in self.layers[self.replay_from:]:
-            x = layer(x) * scale
+            x = self.replay(layer(x), a)
         (x,) = replay_backend.replay_end(x)
         return (self.norm(x),)
+
+
+class RegionScaledLlama(NumberLlama):
+    """A Python number argument read inside the replay layers: the replay region's
+    graphs take it as an input of their own."""
+
+    @staticmethod
+    def replay(x, scale):
+        return x * scale
+
+    def forward(self, input_ids, positions, scale: float):
+        return self._forward(input_ids, positions, scale)
 
 
 class UnpaddedRegionScaledLlama(RegionScaledLlama):
@@ -378,16 +399,9 @@ class UnpaddedRegionScaledLlama(RegionScaledLlama):
     (padding would change it), so every warm-up step runs eagerly while the region is
     still captured, on what the trim op kept of the last of them."""
 
-    def forward(self, input_ids, positions, scale: float):
-        x = self.embed(input_ids) + self.pos(positions)
-        x = x + x.shape[0] * 1e-3
-        for layer in self.layers[:self.replay_from]:
-            x = layer(x)
-        (x,) = replay_backend.replay_begin(x, window=self.window)
-        for layer in self.layers[self.replay_from:]:
-            x = layer(x) * scale
-        (x,) = replay_backend.replay_end(x)
-        return (self.norm(x),)
+    @staticmethod
+    def front(x, scale):
+        return x + x.shape[0] * 1e-3
 
 
 # (requests, scale, kind, whether the replay region ran graphs, whether a number_changed
@@ -467,21 +481,15 @@ def test_a_python_number_runs_in_graphs_only_at_the_value_they_hold(cls, steps, 
     assert re.search(r"\[number_changed\].*\(input \d+ \(\w*scale\w*\): 1(\.0)? -> ", caplog.text), caplog.text
 
 
-class IntRegionLlama(LlamaSWA):
+class IntRegionLlama(NumberLlama):
     """A Python int argument read inside the replay layers."""
 
-    def __init__(self) -> None:
-        super().__init__(window=W)
+    @staticmethod
+    def replay(x, n):
+        return x + n * 1e-3
 
     def forward(self, input_ids, positions, n: int):
-        x = self.embed(input_ids) + self.pos(positions)
-        for layer in self.layers[:self.replay_from]:
-            x = layer(x)
-        (x,) = replay_backend.replay_begin(x, window=self.window)
-        for layer in self.layers[self.replay_from:]:
-            x = layer(x) + n * 1e-3
-        (x,) = replay_backend.replay_end(x)
-        return (self.norm(x),)
+        return self._forward(input_ids, positions, n)
 
 
 def test_an_int_argument_read_in_the_replay_layers_is_a_fallback_that_says_what_to_do(caplog):
@@ -502,23 +510,16 @@ def test_an_int_argument_read_in_the_replay_layers_is_a_fallback_that_says_what_
     assert max_abs_err(got, want) <= 1e-5
 
 
-class SlicedLlama(LlamaSWA):
+class SlicedLlama(NumberLlama):
     """A Python int argument that slices the hidden dimension: Dynamo's guards on the
     slice relate the token count to the int."""
 
-    def __init__(self) -> None:
-        super().__init__(window=W)
+    @staticmethod
+    def front(x, n):
+        return torch.cat([x[:, :n] * 1.5, x[:, n:]], dim=1)
 
     def forward(self, input_ids, positions, n: int):
-        x = self.embed(input_ids) + self.pos(positions)
-        x = torch.cat([x[:, :n] * 1.5, x[:, n:]], dim=1)
-        for layer in self.layers[:self.replay_from]:
-            x = layer(x)
-        (x,) = replay_backend.replay_begin(x, window=self.window)
-        for layer in self.layers[self.replay_from:]:
-            x = layer(x)
-        (x,) = replay_backend.replay_end(x)
-        return (self.norm(x),)
+        return self._forward(input_ids, positions, n)
 
 
 def test_a_guard_relating_the_token_count_to_an_int_argument_is_checked_at_its_value():
