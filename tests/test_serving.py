@@ -3,6 +3,8 @@ record, the one-trace check, and the errors that name a misuse."""
 from __future__ import annotations
 
 import re
+import traceback
+from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
@@ -758,3 +760,23 @@ def test_capture_tried_again_after_a_failure_captures(monkeypatch):
 def test_mark_token_dims_refuses_what_has_no_token_dimension(arg, what):
     with pytest.raises(ValueError, match=f"mark_token_dims: argument 1 must be a tensor .*got {what}"):
         replay_backend.mark_token_dims(torch.zeros(3, dtype=torch.int64), arg)
+
+
+def test_a_guard_torch_recorded_without_a_model_line_says_so():
+    """A guard Inductor added (its lowering, or its cache replaying an earlier compile's
+    guards) has no line of the model: its message says torch made it, instead of naming
+    torch's frame as if it were the model's line."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import SLoc
+
+    from replay_backend.compat import shapes
+
+    s0 = sympy.Symbol("s0", integer=True, positive=True)
+    frame = traceback.FrameSummary("/site-packages/torch/_inductor/codecache.py", 42, "load")
+    env = SimpleNamespace(guards=[SimpleNamespace(expr=sympy.Eq(s0 % 2, 0), sloc=SLoc(frame, None)),
+                                  SimpleNamespace(expr=sympy.Eq(s0 % 3, 0), sloc=SLoc(frame, "model.py:7 in forward"))],
+                          backed_var_to_val={s0: 6})
+    inductor, model = shapes.token_guards(env, {s0})
+    assert inductor.where.startswith("by torch itself, at ") and "codecache.py" in inductor.where
+    assert "no line of the model" in inductor.where and not inductor.holds(3) and inductor.holds(4)
+    assert model.where.startswith("at model.py:7 in forward")

@@ -23,7 +23,7 @@ class TokenGuard:
 
     index: int  # its place in ``shape_env.guards``
     text: str  # the guard as Python over the token symbols
-    where: str  # the source line that recorded it, where torch knows it
+    where: str  # where it was recorded: the model's line, where torch knows it
     holds: Callable[[int], bool]  # the guard with every token symbol set to one count
 
 
@@ -91,7 +91,7 @@ def token_guards(shape_env, symbols: set, fixed: Iterable = ()) -> list[TokenGua
         free = set(g.expr.free_symbols)
         if not free & symbols:
             continue
-        where = str(getattr(g, "sloc", "") or "")
+        where = guard_location(getattr(g, "sloc", None))
         if free - symbols - set(known):
             text = str(g.expr)
 
@@ -102,6 +102,22 @@ def token_guards(shape_env, symbols: set, fixed: Iterable = ()) -> list[TokenGua
             text, holds = _compiled(expr, free & symbols)
         out.append(TokenGuard(i, text, where, holds))
     return out
+
+
+def guard_location(sloc) -> str:
+    """Where a guard was recorded, for a message: the model's line where torch knows it.
+    A guard without one was added by torch's own code after Dynamo's trace (Inductor's
+    lowering, or its cache replaying the guards of an earlier compile), whose frame
+    alone would send the user to torch's source."""
+    if sloc is None:
+        return ""
+    user = getattr(sloc, "maybe_user_loc", None)
+    if user:
+        return f"at {sloc}"
+    if not hasattr(sloc, "framework_loc"):  # a torch whose guards keep another record
+        return f"at {sloc}" if str(sloc) else ""
+    return (f"by torch itself, at {str(sloc).strip('()')}, with no line of the model: Inductor's lowering "
+            "or its cache of an earlier compile made it; TORCH_LOGS=+dynamic shows the decision with its stack")
 
 
 def traced_values(shape_env) -> dict:

@@ -97,7 +97,7 @@ ONE_TOKEN_ONLY = (". It holds at one token only: the model was traced on a call 
 
 
 def _message(guard: str, where: str, why: str) -> str:
-    at = f" (recorded at {where})" if where else ""
+    at = f" (recorded {where})" if where else ""
     return (f"dsv41_replay: the traced model step holds only for some token counts: its guard `{guard}`{at} "
             f"on the token count is not generic: {why}. Every count from 1 to max_num_batched_tokens must run "
             "on one graph: avoid views, reshapes or branches that need the token count to divide evenly or "
