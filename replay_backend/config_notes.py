@@ -36,7 +36,7 @@ def notes(cfg) -> list[str]:
         "cudagraph_capture_sizes": (True, (no_graphs,)),
         "max_cudagraph_capture_size": (True, (no_graphs,)),
         "debug_check_addresses": (cfg.debug_check_addresses, (no_graphs,)),
-        "cudagraph_decoder_replay": (cfg.cudagraph_decoder_replay, (no_graphs, no_region)),
+        "cudagraph_decoder_replay": (cfg.cudagraph_decoder_replay, (no_graphs, no_pieces, no_region)),
         "decoder_replay_cudagraph_capture_sizes": (True, replay),
         "decoder_replay_trim_threshold": (True, sizes_too),
         "trim_io_graphs": (cfg.trim_io_graphs, replay),

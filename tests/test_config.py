@@ -303,6 +303,10 @@ NOTED = [
     ({"decoder_replay_cudagraph_capture_sizes": [16, 32], "max_num_seqs": 64}, "max_num_seqs",
      "decoder_replay_cudagraph_capture_sizes"),
     ({"cudagraph_mode": "full", "metadata_in_place": False}, "metadata_in_place", "cudagraph_mode='full'"),
+    ({"cudagraph_mode": "full", "cudagraph_decoder_replay": True}, "cudagraph_decoder_replay",
+     "cudagraph_mode='full'"),
+    ({"cudagraph_mode": "full_decode_only", "decoder_replay_cudagraph_capture_sizes": [16]},
+     "decoder_replay_cudagraph_capture_sizes", "cudagraph_mode='full_decode_only'"),
 ]
 
 
