@@ -14,21 +14,25 @@ from replay_backend.reference.verify import VerifyResult, check_tolerance, verif
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
 FIELDS = {"ok", "num_tokens", "padded_tokens", "step_kind", "trimmed", "replay_rows", "replay_padded",
-          "replay_graph", "max_abs_err_logits", "max_abs_err_kv", "tolerance"}
+          "replay_graph", "io_graphs", "max_abs_err_logits", "max_abs_err_kv", "tolerance"}
 
 
-def test_verify_json_on_the_default_model(capsys):
+@pytest.mark.parametrize("capture_all", [False, True])
+def test_verify_json_on_the_default_model(capture_all, capsys):
     # W = 128: 1 + 150 + 30 = 181 tokens pad to the 256 graph (>= threshold 200), so the
     # step trims: kept rows 1 + 128 + 30 = 159, padded to the 256 replay graph.
     code = cli.main(["verify", "--batch", "d:1/20,p:150,k:30", "--json",
                      "--option", "compiler=eager", "--option", "cudagraph_capture_sizes=64,256",
-                     "--option", "decoder_replay_trim_threshold=200"])
+                     "--option", "decoder_replay_trim_threshold=200", *(["--capture-all"] if capture_all else [])])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0
     assert FIELDS <= set(out)
     assert out["ok"] is True and out["step_kind"] == "piecewise" and out["trimmed"] is True
     assert (out["num_tokens"], out["padded_tokens"]) == (181, 256)
     assert (out["replay_rows"], out["replay_padded"], out["replay_graph"]) == (159, 256, True)
+    # Its gathers and scatter are graphs too (trim_io_graphs, on by default) where
+    # capture() ran first: capture on first use makes the region's graphs only.
+    assert out["io_graphs"] is capture_all
     assert out["max_abs_err_logits"] <= out["tolerance"] and out["max_abs_err_kv"] <= out["tolerance"]
 
 

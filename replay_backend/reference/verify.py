@@ -28,6 +28,7 @@ class VerifyResult:
     max_abs_err_logits: float
     max_abs_err_kv: float
     tolerance: float
+    io_graphs: bool = False  # the trim op's gathers and scatter ran as graphs too
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,6 +91,7 @@ def verify_step(model: DSv41Mini, requests: list[RequestChunk], config: ReplayCo
         replay_rows=trim.rows if trim else got.batch.num_tokens,
         replay_padded=trim.padded if trim else None,
         replay_graph=bool(trim and trim.graph),
+        io_graphs=bool(trim and trim.io_graphs),
         max_abs_err_logits=err,
         max_abs_err_kv=kv_err,
         tolerance=tol,
