@@ -18,7 +18,7 @@ from .tracing.boundary import replay_begin, replay_end
 from .kv_cache import CacheLayout
 from .forward_context import ForwardContext, get_forward_context, set_forward_context
 from .inspection import depyf_debug
-from .passes.roles import declare_attention, declare_row_local
+from .passes.roles import CudagraphSupport, declare_attention, declare_row_local
 from .plan import SplitPlan, plan_of
 
 __version__ = "0.1.0"
@@ -36,7 +36,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AttnView", "backend_of", "build_model", "build_step_batch", "CacheLayout", "compile",
-    "counters", "declare_attention", "declare_row_local", "depyf_debug", "DSv41Mini",
+    "counters", "CudagraphSupport", "declare_attention", "declare_row_local", "depyf_debug", "DSv41Mini",
     "dummy_step_batch", "ForwardContext", "get_forward_context", "mark_token_dims", "ModelConfig",
     "Phase", "plan_of", "preset", "RankFailed", "replay_begin", "replay_end", "replay_rows_for", "ReplayBackend",
     "ReplayCompiled", "ReplayConfig", "ReplayRows", "RequestChunk", "set_forward_context",

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replay_backend import CacheLayout, declare_attention, get_forward_context
-from replay_backend.passes.roles import CudagraphSupport
+from replay_backend import CacheLayout, CudagraphSupport, declare_attention, get_forward_context
 
 OPS = ("always", "uniform", "never", "undeclared", "host_read")
 
