@@ -268,7 +268,14 @@ def _different_models(rank: int, world: int) -> None:
     shard(build_model(cfg), Parallel(tp_size=2, tp_rank=rank, tp_group=dist.group.WORLD))
 
 
+def _swapped_ranks(rank: int, world: int) -> None:
+    """Each rank names the other's place: each would take the other's heads and experts
+    while the all-reduce adds them in the group's order."""
+    shard(build_model(CFG), Parallel(tp_size=2, tp_rank=1 - rank, tp_group=dist.group.WORLD))
+
+
 @pytest.mark.parametrize("case, message", [
+    (_swapped_ranks, r"raised first(.|\n)*tp_rank=1, but this process is rank 0 of tp_group"),
     (_different_options, "the ranks were given different options: rank 1 has decoder_replay_trim_threshold 64, "
                          "rank 0 has 48"),
     (_different_models, "the ranks were given different model configs: rank 1 has seed 1, rank 0 has 0"),

@@ -90,6 +90,12 @@ class Parallel:
                 problems.append(f"{name}_size={size} needs a {name}_group")
             elif group is not None and dist.get_world_size(group) != size:
                 problems.append(f"{name}_group has {dist.get_world_size(group)} ranks, {name}_size is {size}")
+            elif group is not None and dist.get_rank(group) != rank:
+                # A rank's share of the weights and its rows in the exchanges follow the
+                # rank given here, while the collectives order the ranks by the group:
+                # another number gives this rank another's weights or rows.
+                problems.append(f"{name}_rank={rank}, but this process is rank {dist.get_rank(group)} of "
+                                f"{name}_group")
         tp = self.tp_size if isinstance(self.tp_size, int) and self.tp_size >= 1 else 1
         if cfg.num_heads % tp:
             problems.append(f"tp_size={tp} does not divide num_heads={cfg.num_heads}")
