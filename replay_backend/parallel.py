@@ -73,8 +73,10 @@ def check_same_schedule(model, group) -> None:
 
 
 def check_same_options(config, group) -> None:
-    """The ranks' options, but the debug ones (a dump path may differ per rank)."""
-    mine = {k: v for k, v in config.as_dict().items() if not k.startswith("debug_")}
+    """The ranks' options, but the debug ones that stay on their rank (a dump path may
+    differ per rank): ``debug_check_ranks`` adds a collective to every step, which
+    every rank must join."""
+    mine = {k: v for k, v in config.as_dict().items() if not k.startswith("debug_") or k == "debug_check_ranks"}
     check_same(mine, group, "the ranks were given different options")
 
 

@@ -263,6 +263,11 @@ def _different_options(rank: int, world: int) -> None:
     ReplayBackend(**{**OPTS, "decoder_replay_trim_threshold": 48 if rank == 0 else 64}, dp_group=dist.group.WORLD)
 
 
+def _different_rank_checks(rank: int, world: int) -> None:
+    """The plan check is a collective of every step: one rank alone would wait in it."""
+    ReplayBackend(**OPTS, tp_group=dist.group.WORLD, debug_check_ranks=rank == 0)
+
+
 def _different_models(rank: int, world: int) -> None:
     cfg = CFG.replace(seed=rank)
     shard(build_model(cfg), Parallel(tp_size=2, tp_rank=rank, tp_group=dist.group.WORLD))
@@ -275,9 +280,12 @@ def _swapped_ranks(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("case, message", [
-    (_swapped_ranks, r"raised first(.|\n)*tp_rank=1, but this process is rank 0 of tp_group"),
+    (_swapped_ranks, r"raised first(.|\n)*tp_rank=(1, but this process is rank 0|0, but this process is rank 1) "
+                     "of tp_group"),
     (_different_options, "the ranks were given different options: rank 1 has decoder_replay_trim_threshold 64, "
                          "rank 0 has 48"),
+    (_different_rank_checks, "the ranks were given different options: rank 1 has debug_check_ranks False, "
+                             "rank 0 has True"),
     (_different_models, "the ranks were given different model configs: rank 1 has seed 1, rank 0 has 0"),
 ])
 def test_ranks_with_other_options_or_models_are_refused_before_any_trace(case, message):
