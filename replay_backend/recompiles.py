@@ -27,8 +27,10 @@ def admit_graph(backend):
     counters.graphs_seen += 1
     if backend.phase not in (Phase.TRACING, Phase.WARMING):
         counters.recompiles += 1
-        raise RuntimeError(f"dsv41_replay: recompile after warm-up (while {backend.phase.value}): "
-                           f"{why_recompile(backend)}")
+        # Refused before the step ran: data-parallel ranks are told, rather than left
+        # waiting in the step's collectives for this one.
+        backend.fail_step(RuntimeError(f"dsv41_replay: recompile after warm-up (while {backend.phase.value}): "
+                                       f"{why_recompile(backend)}"))
     frame = compat_dynamo.compiling_frame()
     n = len(backend.compiled) + 1
     if backend.compiled and frame is not None and frame[1]:

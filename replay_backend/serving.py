@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .compat import dynamo as compat_dynamo
 from .fallbacks import Fallback
 from .backend import ReplayBackend
 from .batch import StepBatch
@@ -24,6 +25,7 @@ from .config import ReplayConfig
 from .dispatch import direct
 from .forward_context import get_forward_context, has_forward_context
 from .lifecycle import Phase
+from .recompiles import why_recompile
 from .step_setup import StepSetup
 from .tracing.dynamic import call_dynamic
 
@@ -102,8 +104,15 @@ class ReplayCompiled(nn.Module):
         tokens = self._token_tensors(bound.arguments)
         be = self.backend
         serving = be.lifecycle.serving
-        if self._learned is not None or not be.config.direct_dispatch or serving:
-            return call_dynamic(self.compiled, tokens, serving, *args, **kwargs)
+        if serving:
+            try:
+                return call_dynamic(self.compiled, tokens, True, *args, **kwargs)
+            except compat_dynamo.RECOMPILE_ERRORS as e:  # refused by Dynamo, before any of the step ran
+                err = RuntimeError(f"dsv41_replay: recompile after warm-up (while serving): {why_recompile(be)}")
+                err.__cause__ = e
+                be.fail_step(err)  # data-parallel ranks raise too, rather than wait for this one
+        if self._learned is not None or not be.config.direct_dispatch:
+            return call_dynamic(self.compiled, tokens, False, *args, **kwargs)
         with be.calls.watch():
             result = call_dynamic(self.compiled, tokens, False, *args, **kwargs)
         call = be.calls.take()

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import replay_backend
 from replay_backend import RequestChunk as R
 from replay_backend import build_model, preset
 from replay_backend.backend import ReplayBackend
@@ -119,7 +120,8 @@ def test_a_rank_that_raises_is_named_and_the_others_do_not_hang():
 def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
     """DEP2 serving. At the second step rank 1 fails before the agreement (a stale
     batch, under strict a batch laid out for FULL graphs outside the metadata buffer,
-    or in the runner's own check, a batch of a request freed since) while rank 0 runs
+    in the runner's own check, a batch of a request freed since, or a call through
+    Dynamo's entry that needs a new trace, refused once serving) while rank 0 runs
     a decode; at the third both serve a step again.
     Per step: each rank's error (type, message, seconds taken) or its logits' error
     against the single-process model."""
@@ -131,7 +133,8 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
     mode = "full_and_piecewise" if how == "strict" else "piecewise"
     model = shard(build_model(CFG), Parallel(1, 0, None, 2, rank, dp, True))
     rc = StepRunner(model, max_model_len=256, backend=ReplayBackend(**OPTS, strict=how == "strict",
-                                                                    cudagraph_mode=mode, dp_group=dp))
+                                                                    cudagraph_mode=mode, dp_group=dp,
+                                                                    direct_dispatch=how != "recompile"))
     ro = StepRunner(build_model(CFG), max_model_len=256)
     rc.capture()
     rc.start_serving()
@@ -155,6 +158,11 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
             elif how == "stale":
                 batch = rc.build_batch(reqs)
                 rc.build_batch(reqs)  # overwrites the first's metadata
+            elif how == "recompile":  # grad mode on: Dynamo traces anew, which serving refuses
+                batch = rc.build_batch(reqs)
+                with torch.inference_mode(False), torch.enable_grad(), \
+                        replay_backend.set_forward_context(rc.setup.context(batch)):
+                    rc.compiled(batch.input_ids, batch.positions)
             elif how == "freed":  # the runner's own check, before it calls the compiled model
                 batch = rc.build_batch(reqs)
                 rc.free("b")
@@ -170,17 +178,73 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
 
 
 @pytest.mark.parametrize("how,error", [("stale", "stale StepBatch"), ("strict", "metadata_in_place"),
-                                       ("freed", "holds no block for it"), ("refused", "no free cache block")])
+                                       ("freed", "holds no block for it"), ("refused", "no free cache block"),
+                                       ("recompile", "recompile after warm-up")])
 def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_at_once(how, error):
     """A data-parallel rank whose step fails before the agreement still joins it, as
     failed: the other rank raises at once naming it, instead of waiting in the step's
     collectives until the group's timeout; the next step runs on both, right."""
     rank0, rank1 = run_ranks(_one_rank_fails_its_step, 2, how, timeout=300, collective_timeout=60)
-    assert rank1[1][0] in ("RuntimeError", "StrictFallbackError", "ValueError") and error in rank1[1][1], rank1[1]
+    assert rank1[1][0] in ("RuntimeError", "StrictFallbackError", "ValueError", "BackendCompilerFailed") \
+        and error in rank1[1][1], rank1[1]
     name, message, seconds = rank0[1]
     assert name == "RankFailed" and "data-parallel rank 1 failed this step" in message, rank0[1]
     assert seconds < 30, rank0[1]
     assert max(rank0[0], rank0[2], rank1[0], rank1[2]) <= TOL, (rank0, rank1)
+
+
+def _recompile_under_plain_compile(rank: int, world: int) -> list:
+    """A user's own model under plain ``torch.compile`` with data-parallel ranks: at the
+    second served step rank 1 calls it with grad mode on, a new trace the serving
+    backend refuses inside Dynamo's compile. Per step: each rank's error (type,
+    message, seconds) or its logits' error against the eager model."""
+    import time
+
+    from llama_swa import LlamaServer, LlamaSWA
+
+    model, oracle = LlamaSWA(window=8).eval(), LlamaSWA(window=8).eval()
+    be = ReplayBackend(compiler="eager", cudagraph_capture_sizes=[8, 16, 32], decoder_replay_trim_threshold=16,
+                       max_num_seqs=4, dp_group=dist.group.WORLD)
+    compiled = torch.compile(model, backend=be, dynamic=True)
+    server = LlamaServer(model)
+
+    def run(fn, requests, grad=False):
+        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in requests]
+        tokens = [server.tokens(r) for r in requests]
+        batch = be.build_batch(requests, tokens, blocks) if fn is compiled and be.setup is not None else \
+            replay_backend.build_step_batch(requests, tokens, blocks, server.layout, 8, "cpu")
+        with torch.set_grad_enabled(grad), replay_backend.set_forward_context(server.setup.context(batch)):
+            return fn(batch.input_ids, batch.positions)[0][batch.logits_indices]
+
+    with torch.no_grad():
+        run(compiled, [R("w", 9, 9)])  # the trace, on both ranks
+    be.capture(server.setup)
+    be.start_serving()
+    name = "a" if rank == 0 else "b"
+    out = []
+    for k, step in enumerate(([R(name, 20, 20)], [R(name, 1, 21)], [R(name, 1, 21)])):
+        t0 = time.monotonic()
+        try:
+            got = run(compiled, step, grad=(rank, k) == (1, 1))
+            with torch.no_grad():
+                out.append(max_abs_err(got, run(oracle, step)))
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            out.append((type(e).__name__, str(e), time.monotonic() - t0))
+    return out
+
+
+def test_a_recompile_refused_while_serving_fails_the_step_on_every_rank():
+    """Under plain ``torch.compile`` the refusal is raised in Dynamo's compile, before
+    the step's agreement: rank 1 still joins it as failed, so rank 0 raises at once
+    naming it instead of waiting for rank 1 in the step's collectives; the next step
+    runs on both, right."""
+    rank0, rank1 = run_ranks(_recompile_under_plain_compile, 2, timeout=200, collective_timeout=60)
+    assert rank1[1][0] == "BackendCompilerFailed" and "recompile after warm-up" in rank1[1][1] \
+        and "grad mode" in rank1[1][1], rank1[1]
+    name, message, seconds = rank0[1]
+    assert name == "RankFailed" and "data-parallel rank 1 failed this step" in message, rank0[1]
+    assert seconds < 30, rank0[1]
+    assert max(rank0[0], rank0[2], rank1[0], rank1[2]) <= 1e-5, (rank0, rank1)
 
 
 def _fails_its_first_step(rank: int, world: int, how: str) -> list:

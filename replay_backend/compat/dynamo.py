@@ -57,6 +57,11 @@ def size_oblivious() -> Iterator[None]:
         yield
 
 
+# What Dynamo raises for a recompile inside ``no_recompile``: before the call runs anything.
+RECOMPILE_ERRORS: tuple = tuple(e for e in (getattr(getattr(torch._dynamo, "exc", None), "RecompileError", None),)
+                                if isinstance(e, type))
+
+
 class no_recompile:
     """Make any Dynamo recompile raise inside a ``with`` (after warm-up a recompile is an
     error). Entered once per served step, so the flag is set and restored directly:
