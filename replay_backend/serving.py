@@ -88,7 +88,10 @@ class ReplayCompiled(nn.Module):
         entry = self._learned
         if isinstance(entry, direct.DirectEntry) and len(self.backend.compiled) == 1:
             if entry.model.needs_context and not has_forward_context():
-                get_forward_context()  # raises, naming the missing context
+                try:
+                    get_forward_context()  # raises, naming the missing context
+                except RuntimeError as e:  # data-parallel ranks raise too, rather than wait for this one
+                    self.backend.fail_step(e)
             bound = entry.bind(args, kwargs)
             why = entry.mismatch(bound)
             if why is None:

@@ -120,8 +120,9 @@ def test_a_rank_that_raises_is_named_and_the_others_do_not_hang():
 def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
     """DEP2 serving. At the second step rank 1 fails before the agreement (a stale
     batch, under strict a batch laid out for FULL graphs outside the metadata buffer,
-    in the runner's own check, a batch of a request freed since, or a call through
-    Dynamo's entry that needs a new trace, refused once serving) while rank 0 runs
+    in the runner's own check, a batch of a request freed since, a call through
+    Dynamo's entry that needs a new trace, refused once serving, or a call outside the
+    forward context, direct or through Dynamo's entry) while rank 0 runs
     a decode; at the third both serve a step again.
     Per step: each rank's error (type, message, seconds taken) or its logits' error
     against the single-process model."""
@@ -134,7 +135,8 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
     model = shard(build_model(CFG), Parallel(1, 0, None, 2, rank, dp, True))
     rc = StepRunner(model, max_model_len=256, backend=ReplayBackend(**OPTS, strict=how == "strict",
                                                                     cudagraph_mode=mode, dp_group=dp,
-                                                                    direct_dispatch=how != "recompile"))
+                                                                    direct_dispatch=how not in ("recompile",
+                                                                                                "no_context_dynamo")))
     ro = StepRunner(build_model(CFG), max_model_len=256)
     rc.capture()
     rc.start_serving()
@@ -163,6 +165,10 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
                 with torch.inference_mode(False), torch.enable_grad(), \
                         replay_backend.set_forward_context(rc.setup.context(batch)):
                     rc.compiled(batch.input_ids, batch.positions)
+            elif how.startswith("no_context"):
+                batch = rc.build_batch(reqs)
+                with torch.inference_mode():
+                    rc.compiled(batch.input_ids, batch.positions)
             elif how == "freed":  # the runner's own check, before it calls the compiled model
                 batch = rc.build_batch(reqs)
                 rc.free("b")
@@ -174,12 +180,19 @@ def _one_rank_fails_its_step(rank: int, world: int, how: str) -> list:
             out.append(("no error", "", time.monotonic() - t0))
         except Exception as e:  # noqa: BLE001 - what each rank saw is the result
             out.append((type(e).__name__, str(e), time.monotonic() - t0))
+            if isinstance(e, replay_backend.RankFailed):  # a server that reports every error of a step:
+                try:  # the ranks know of this one already, so the next step is every rank's next step
+                    rc.compiled.fail_step(e)
+                except replay_backend.RankFailed:
+                    pass
     return out
 
 
 @pytest.mark.parametrize("how,error", [("stale", "stale StepBatch"), ("strict", "metadata_in_place"),
                                        ("freed", "holds no block for it"), ("refused", "no free cache block"),
-                                       ("recompile", "recompile after warm-up")])
+                                       ("recompile", "recompile after warm-up"),
+                                       ("no_context", "no forward context is set"),
+                                       ("no_context_dynamo", "no forward context is set")])
 def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_at_once(how, error):
     """A data-parallel rank whose step fails before the agreement still joins it, as
     failed: the other rank raises at once naming it, instead of waiting in the step's

@@ -67,10 +67,18 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, f
                      int(failed_rank) - 1 if failed_rank else None)
 
 
-# Set on an error once this rank joined its step's agreement as failed: a caller that
-# reports an error the backend already reported (a build_batch refusal caught by a
-# server's own fail_step) must not join the next step's agreement with it.
+# Set on an error once every rank knows of its step's failure (this rank joined the
+# agreement as failed, or the error is the RankFailed the agreement raised): a caller
+# that reports it again (a build_batch refusal or a RankFailed caught by a server's own
+# fail_step) must not join the next step's agreement with it.
 _TOLD = "_dsv41_replay_step_failed"
+
+
+def _mark_told(error: BaseException) -> None:
+    try:
+        setattr(error, _TOLD, True)
+    except AttributeError:  # an exception type without a __dict__: told, unmarked
+        pass
 
 
 def tell_failed(group, error: BaseException) -> None:
@@ -79,10 +87,7 @@ def tell_failed(group, error: BaseException) -> None:
     gone too) is logged: the caller raises its own error, the one to see."""
     if getattr(error, _TOLD, False):
         return
-    try:
-        setattr(error, _TOLD, True)
-    except AttributeError:  # an exception type without a __dict__: told, unmarked
-        pass
+    _mark_told(error)
     try:
         agree(group, False, 0, False, 0, failed=True)
     except Exception as e:  # noqa: BLE001
@@ -93,6 +98,8 @@ def tell_failed(group, error: BaseException) -> None:
 def check_no_rank_failed(agreement: Agreement) -> None:
     """Raise :class:`RankFailed` where another rank gave up the step before agreeing."""
     if agreement.failed_rank is not None:
-        raise RankFailed(f"dsv41_replay: data-parallel rank {agreement.failed_rank} failed this step before the "
-                         "ranks agreed on it (its own error says why), so no rank runs it: the step's collectives "
-                         "would wait for that rank")
+        error = RankFailed(f"dsv41_replay: data-parallel rank {agreement.failed_rank} failed this step before the "
+                           "ranks agreed on it (its own error says why), so no rank runs it: the step's collectives "
+                           "would wait for that rank")
+        _mark_told(error)
+        raise error

@@ -106,19 +106,20 @@ class CompiledReplayModel:
         if call is None:
             call = self.graph_call = GraphCall.of(self, args)
             self.inputs.find_scalars(args)
-        elif call.anchor is not None and args[call.anchor] is not call.template[call.anchor]:
-            raise RuntimeError(ANOTHER_INSTANCE)
-        # Attention and the trim op read the step from its context: without one, say so
-        # before any piece runs.
-        ctx = get_forward_context() if has_forward_context() or self.needs_context else None
+        try:  # a step refused before it ran: data-parallel ranks are told (fail_step)
+            if call.anchor is not None and args[call.anchor] is not call.template[call.anchor]:
+                raise RuntimeError(ANOTHER_INSTANCE)
+            # Attention and the trim op read the step from its context: without one, say
+            # so before any piece runs.
+            ctx = get_forward_context() if has_forward_context() or self.needs_context else None
+            if ctx is not None:
+                ctx.batch.check_current()  # a batch whose metadata a later build overwrote
+                self.inputs.check_rows(ctx.batch, args)
+        except (RuntimeError, ValueError) as e:
+            self.fail_step(e)
         if ctx is None:
             out, plan = self._step(ctx, args)
         else:
-            try:
-                ctx.batch.check_current()  # a batch whose metadata a later build overwrote
-                self.inputs.check_rows(ctx.batch, args)
-            except (RuntimeError, ValueError) as e:
-                self.fail_step(e)
             ctx.compiled_step = True
             try:
                 out, plan = self._step(ctx, args)
