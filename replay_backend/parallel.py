@@ -52,13 +52,23 @@ def schedule(model) -> dict:
     }
 
 
-def check_same(mine: dict, group, what: str) -> None:
-    """Raise on every rank of ``group`` when any rank's ``mine`` differs from the first
-    rank's, naming the ranks and the first key that differs (``what``: the error's lead)."""
+def _gathered(mine, group) -> list:
     import torch.distributed as dist
 
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
+    return every
+
+
+def check_same(mine: dict, group, what: str) -> None:
+    """Raise on every rank of ``group`` when any rank's ``mine`` differs from the first
+    rank's, naming the ranks and the first key that differs (``what``: the error's lead)."""
+    _compare(_gathered(mine, group), group, what)
+
+
+def _compare(every: list, group, what: str) -> None:
+    import torch.distributed as dist
+
     for rank, theirs in enumerate(every):
         for key, want in every[0].items():
             if theirs.get(key) != want:
@@ -81,4 +91,22 @@ def check_same_options(config, group) -> None:
 
 
 def check_same_plan(plan, group) -> None:
-    check_same({"step plan": plan}, group, "tensor-parallel ranks decided a step differently")
+    """The tensor-parallel ranks' plans of one step, compared (``debug_check_ranks``).
+    ``plan`` None: this rank gave up the step before running it (``fail_step``, which
+    raises its own error); every other rank then raises ``RankFailed`` naming it,
+    rather than run the step's collectives without it."""
+    import torch.distributed as dist
+
+    from .dispatch.agree import RankFailed, mark_told
+
+    every = _gathered({"step plan": plan}, group)
+    failed = next((r for r, p in enumerate(every) if p["step plan"] is None), None)
+    if failed is not None:
+        if plan is None:
+            return
+        error = RankFailed(f"dsv41_replay: tensor-parallel rank {dist.get_process_group_ranks(group)[failed]} "
+                           "failed this step before running it (its own error says why), so no rank runs it: "
+                           "the step's collectives would wait for that rank")
+        mark_told(error)
+        raise error
+    _compare(every, group, "tensor-parallel ranks decided a step differently")

@@ -206,6 +206,49 @@ def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_at_once(h
     assert max(rank0[0], rank0[2], rank1[0], rank1[2]) <= TOL, (rank0, rank1)
 
 
+def _tp_rank_fails_its_step(rank: int, world: int) -> list:
+    """TP2 with debug_check_ranks. At the second step rank 1's own check refuses the
+    step (``fail_step``), while rank 0 runs it; then both serve two more. A server that
+    reports every error reports the ``RankFailed`` too. Per step: the error (type,
+    message, seconds) or the logits' error against the single-process model."""
+    import time
+
+    tp = dist.group.WORLD
+    rc = StepRunner(shard(build_model(CFG), Parallel(2, rank, tp)), max_model_len=256,
+                    backend=ReplayBackend(**OPTS, tp_group=tp, debug_check_ranks=True))
+    ro = StepRunner(build_model(CFG), max_model_len=256)
+    rc.capture()
+    out = []
+    for k, reqs in enumerate(([R("a", 20, 20)], [R("a", 1, 21)], [R("a", 1, 21)], [R("b", 60, 60)])):
+        t0 = time.monotonic()
+        try:
+            if (rank, k) == (1, 1):
+                rc.compiled.fail_step(ValueError("rank 1's server refuses this step"))
+            got = rc.step(reqs)
+            out.append(max_abs_err(got.logits, ro.step(reqs).logits))
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            out.append((type(e).__name__, str(e), time.monotonic() - t0))
+            try:
+                rc.compiled.fail_step(e)  # told already: only raises
+            except Exception:  # noqa: BLE001
+                pass
+    return out
+
+
+def test_a_tensor_parallel_rank_that_fails_its_step_is_named_under_debug_check_ranks():
+    """Tensor-parallel ranks share one batch and agree on nothing per step, but with
+    debug_check_ranks their plans meet in every step's check: a rank that gave up the
+    step joins it as failed, and its peer raises at once naming it instead of running
+    the step's all-reduces without it; the next steps run on both, right."""
+    rank0, rank1 = run_ranks(_tp_rank_fails_its_step, 2, timeout=200, collective_timeout=60)
+    assert rank1[1][:2] == ("ValueError", "rank 1's server refuses this step"), rank1[1]
+    name, message, seconds = rank0[1]
+    assert name == "RankFailed" and "tensor-parallel rank 1 failed this step" in message, rank0[1]
+    assert seconds < 30, rank0[1]
+    assert all(isinstance(e, float) and e <= TOL for e in (*rank0[::2], *rank1[::2], rank0[3], rank1[3])), \
+        (rank0, rank1)
+
+
 def _recompile_under_plain_compile(rank: int, world: int) -> list:
     """A user's own model under plain ``torch.compile`` with data-parallel ranks: at the
     second served step rank 1 calls it with grad mode on, a new trace the serving

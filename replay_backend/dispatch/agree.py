@@ -74,7 +74,12 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, f
 _TOLD = "_dsv41_replay_step_failed"
 
 
-def _mark_told(error: BaseException) -> None:
+def told(error: BaseException) -> bool:
+    """Whether every rank already knows of the step failure ``error`` reports."""
+    return bool(getattr(error, _TOLD, False))
+
+
+def mark_told(error: BaseException) -> None:
     try:
         setattr(error, _TOLD, True)
     except AttributeError:  # an exception type without a __dict__: told, unmarked
@@ -85,9 +90,9 @@ def tell_failed(group, error: BaseException) -> None:
     """Join this step's agreement over ``group`` as failed, once per ``error``: every
     other rank raises :class:`RankFailed` naming this one. A failure to tell (a peer
     gone too) is logged: the caller raises its own error, the one to see."""
-    if getattr(error, _TOLD, False):
+    if told(error):
         return
-    _mark_told(error)
+    mark_told(error)
     try:
         agree(group, False, 0, False, 0, failed=True)
     except Exception as e:  # noqa: BLE001
@@ -101,5 +106,5 @@ def check_no_rank_failed(agreement: Agreement) -> None:
         error = RankFailed(f"dsv41_replay: data-parallel rank {agreement.failed_rank} failed this step before the "
                            "ranks agreed on it (its own error says why), so no rank runs it: the step's collectives "
                            "would wait for that rank")
-        _mark_told(error)
+        mark_told(error)
         raise error

@@ -20,7 +20,7 @@ from ..capture.full import FullGraphs
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from ..parallel import check_same_plan
-from .agree import agree, check_no_rank_failed, tell_failed
+from .agree import agree, check_no_rank_failed, mark_told, tell_failed, told
 from .direct import GraphCall
 from .step_inputs import StepInputs
 from .trim_op import ReplayRuntime
@@ -200,9 +200,16 @@ class CompiledReplayModel:
     def fail_step(self, error: Exception):
         """Raise ``error``, this rank's own before the step's agreement: with
         data-parallel ranks after telling them in the agreement, so that each raises
-        too rather than wait in a collective of the step this rank will not join."""
+        too rather than wait in a collective of the step this rank will not join; with
+        ``debug_check_ranks``, the tensor-parallel ranks in the step's plan check too.
+        Without that check a tensor-parallel rank is not told: the ranks share one batch,
+        so a refusal on one of them alone means their servers diverged."""
+        first = not told(error)
         if self._agrees:
             tell_failed(self.dp_group, error)
+        if first and self.tp_group is not None and self.token_inputs:
+            check_same_plan(None, self.tp_group)
+            mark_told(error)
         raise error
 
     def _step(self, ctx, args) -> tuple:
