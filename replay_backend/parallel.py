@@ -52,6 +52,9 @@ def schedule(model) -> dict:
     }
 
 
+_NONE = object()
+
+
 def _gathered(mine, group) -> list:
     import torch.distributed as dist
 
@@ -69,13 +72,33 @@ def check_same(mine: dict, group, what: str) -> None:
 def _compare(every: list, group, what: str) -> None:
     import torch.distributed as dist
 
+    first = every[0]
     for rank, theirs in enumerate(every):
-        for key, want in every[0].items():
-            if theirs.get(key) != want:
+        for key in [*first, *(k for k in theirs if k not in first)]:  # a key one side lacks differs too
+            if theirs.get(key, _NONE) != first.get(key, _NONE):
                 ranks = dist.get_process_group_ranks(group)
-                raise ValueError(f"dsv41_replay: {what}: rank {ranks[rank]} has {key} {theirs.get(key)}, rank "
-                                 f"{ranks[0]} has {want} (ranks of a group need the same model, options and "
-                                 "capture sizes)")
+                raise ValueError(f"dsv41_replay: {what}: rank {ranks[rank]} has {key} {theirs.get(key, 'none')}, "
+                                 f"rank {ranks[0]} has {first.get(key, 'none')} (ranks of a group need the same "
+                                 "model, options and capture sizes)")
+
+
+def model_digest(model, setup=None) -> dict:
+    """What every rank's model must share before its first step, whose collectives
+    would otherwise meet at other sizes or counts: its modules, each parameter's and
+    buffer's shape and dtype (a rank's shard of a split weight has its peers' shape,
+    whatever its values), and the setup's window and cache layout where given."""
+    digest: dict = {f"module {name or '(the model)'}": type(m).__qualname__ for name, m in model.named_modules()}
+    for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in tensors:
+            digest[f"{kind} {name}"] = f"{tuple(t.shape)} {t.dtype}"
+    if setup is not None:
+        digest["StepSetup.window"] = setup.window
+        digest["StepSetup.layout"] = setup.layout
+    return digest
+
+
+def check_same_model(model, setup, group) -> None:
+    check_same(model_digest(model, setup), group, "the ranks were given different models")
 
 
 def check_same_schedule(model, group) -> None:

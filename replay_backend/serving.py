@@ -25,6 +25,7 @@ from .config import ReplayConfig
 from .dispatch import direct
 from .forward_context import get_forward_context, has_forward_context
 from .lifecycle import Phase
+from .parallel import check_same_model
 from .recompiles import why_recompile
 from .step_setup import StepSetup
 from .tracing.dynamic import call_dynamic
@@ -61,6 +62,9 @@ class ReplayCompiled(nn.Module):
         self.compiled = traced if traced is not None else torch.compile(model, backend=backend, fullgraph=fullgraph)
         if setup is not None:
             backend.use(setup)
+        for group in (backend.dp_group, backend.tp_group):  # before the first step runs a collective
+            if group is not None:
+                check_same_model(model, setup, group)
         # The direct entry learned from the first call through Dynamo, or why none was.
         self._learned: direct.DirectEntry | str | None = None
         self._fixed: set[int] | None = None

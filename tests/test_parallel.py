@@ -367,15 +367,17 @@ def test_a_first_step_of_one_token_traces_one_graph_for_every_count():
 
 
 def _other_layers(rank: int, world: int) -> None:
-    """The same options, models of other depths: the traces differ, seen at capture."""
+    """The same options, models of other depths (and sources: rank 1's layer 2 compresses
+    nothing): refused when compiled, before the first step's collectives would meet at
+    other counts."""
     cfg = CFG if rank == 0 else preset("tiny").with_layers(8, (1, 3)).replace(window=16)
     be = ReplayBackend(**OPTS, dp_group=dist.group.WORLD)
     StepRunner(build_model(cfg), max_model_len=256, backend=be).capture()
 
 
-def test_ranks_that_would_capture_different_graphs_are_refused_at_capture_naming_the_difference():
-    with pytest.raises(AssertionError, match=r"raised first(.|\n)*the ranks would capture different graphs: rank 1 "
-                                             r"has main pieces \['graph', 'attention'"):
+def test_ranks_with_models_of_other_depths_are_refused_when_compiled_naming_the_first_difference():
+    with pytest.raises(AssertionError, match=r"raised first(.|\n)*the ranks were given different models: rank 1 "
+                                             r"has module layers.2.attn.comp_norm none, rank 0 has RMSNorm"):
         run_ranks(_other_layers, 2, timeout=100)
 
 
@@ -386,6 +388,16 @@ def _different_options(rank: int, world: int) -> None:
 def _different_rank_checks(rank: int, world: int) -> None:
     """The plan check is a collective of every step: one rank alone would wait in it."""
     ReplayBackend(**OPTS, tp_group=dist.group.WORLD, debug_check_ranks=rank == 0)
+
+
+def _different_windows(rank: int, world: int) -> None:
+    """A user's own model compiled with its setup: the windows differ, so would the
+    ranks' first (warm-up) steps and the collectives in them."""
+    from llama_swa import LlamaServer, LlamaSWA
+
+    model = LlamaSWA(window=8 if rank == 0 else 16)
+    replay_backend.compile(model, ("input_ids", "positions"), backend=ReplayBackend(**OPTS, dp_group=dist.group.WORLD),
+                           setup=LlamaServer(model).setup)
 
 
 def _different_models(rank: int, world: int) -> None:
@@ -406,6 +418,7 @@ def _swapped_ranks(rank: int, world: int) -> None:
                          "rank 0 has 48"),
     (_different_rank_checks, "the ranks were given different options: rank 1 has debug_check_ranks False, "
                              "rank 0 has True"),
+    (_different_windows, "the ranks were given different models: rank 1 has StepSetup.window 16, rank 0 has 8"),
     (_different_models, "the ranks were given different model configs: rank 1 has seed 1, rank 0 has 0"),
 ])
 def test_ranks_with_other_options_or_models_are_refused_before_any_trace(case, message):
