@@ -96,7 +96,10 @@ class ReplayCompiled(nn.Module):
                     get_forward_context()  # raises, naming the missing context
                 except RuntimeError as e:  # data-parallel ranks raise too, rather than wait for this one
                     self.backend.fail_step(e)
-            bound = entry.bind(args, kwargs)
+            try:
+                bound = entry.bind(args, kwargs)
+            except TypeError as e:
+                self.backend.fail_step(e)
             why = entry.mismatch(bound)
             if why is None:
                 return entry(bound)
@@ -106,9 +109,12 @@ class ReplayCompiled(nn.Module):
         return self._through_dynamo(args, kwargs)
 
     def _through_dynamo(self, args, kwargs):
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        tokens = self._token_tensors(bound.arguments)
+        try:  # refused before the step: data-parallel ranks raise too, rather than wait for this one
+            bound = self._signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            tokens = self._token_tensors(bound.arguments)
+        except (TypeError, ValueError) as e:
+            self.backend.fail_step(e)
         be = self.backend
         serving = be.lifecycle.serving
         if serving:
