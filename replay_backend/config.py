@@ -90,7 +90,11 @@ class ReplayConfig:
         names = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("inductor_mode", "_given")}
         unknown = sorted(set(options) - names)
         if unknown:
-            raise ValueError(f"unknown dsv41_replay option(s) {unknown}; known options: {sorted(names)}")
+            groups = [k for k in unknown if k in ("dp_group", "tp_group")]
+            hint = (f"; {' and '.join(groups)} are process groups, not options: pass them to "
+                    f"ReplayBackend({', '.join(f'{g}=...' for g in groups)}) and give that backend to torch.compile "
+                    "or replay_backend.compile") if groups else ""
+            raise ValueError(f"unknown dsv41_replay option(s) {unknown}; known options: {sorted(names)}{hint}")
         for key in LIST_OPTIONS:
             if options.get(key) is not None:
                 options[key] = _as_list(key, options[key])

@@ -20,9 +20,14 @@ def check_groups(config, dp_group, tp_group) -> None:
     """A backend's rank groups, checked when it is made, before any trace: the
     data-parallel ranks agree on every step in a host collective, so theirs is a CPU
     group; a rank of either group with other options than its peers is an error now."""
-    if dp_group is not None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    for name, group in (("dp_group", dp_group), ("tp_group", tp_group)):
+        # new_group() gives a process outside the group a placeholder, whose rank is -1.
+        if group is not None and dist.get_rank(group) < 0:
+            raise ValueError(f"ReplayBackend({name}=...): this process (rank {dist.get_rank()}) is not in that "
+                             "group: every rank of a group creates it, and each passes the group it belongs to")
+    if dp_group is not None:
         if dist.get_backend(dp_group) != "gloo":
             raise ValueError(f"ReplayBackend(dp_group=...): a {dist.get_backend(dp_group)} group; the ranks agree "
                              "on every step in a host collective, which on a device group would make the host "

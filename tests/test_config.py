@@ -367,6 +367,12 @@ def test_config_fields_for_the_notes_stay_internal():
         ReplayConfig.from_options({"_given": frozenset()})
 
 
+def test_process_groups_given_as_options_are_refused_saying_where_they_go():
+    with pytest.raises(ValueError, match=r"unknown dsv41_replay option\(s\) \['tp_group'\].*tp_group are process "
+                                         r"groups, not options: pass them to ReplayBackend\(tp_group=...\)"):
+        ReplayConfig.from_options({"tp_group": object(), "compiler": "eager"})
+
+
 # --------------------------------------------------------------------------------------
 # The replay boundary's window
 # --------------------------------------------------------------------------------------

@@ -407,6 +407,12 @@ def _different_windows(rank: int, world: int) -> None:
                            setup=LlamaServer(model).setup)
 
 
+def _outside_the_group(rank: int, world: int) -> None:
+    """Each rank passes the group the other rank alone belongs to."""
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    ReplayBackend(**OPTS, tp_group=groups[1 - rank])
+
+
 def _different_models(rank: int, world: int) -> None:
     cfg = CFG.replace(seed=rank)
     shard(build_model(cfg), Parallel(tp_size=2, tp_rank=rank, tp_group=dist.group.WORLD))
@@ -426,6 +432,7 @@ def _swapped_ranks(rank: int, world: int) -> None:
     (_different_rank_checks, "the ranks were given different options: rank 1 has debug_check_ranks False, "
                              "rank 0 has True"),
     (_different_windows, "the ranks were given different models: rank 1 has StepSetup.window 16, rank 0 has 8"),
+    (_outside_the_group, r"ReplayBackend\(tp_group=...\): this process \(rank \d\) is not in that group"),
     (_different_models, "the ranks were given different model configs: rank 1 has seed 1, rank 0 has 0"),
 ])
 def test_ranks_with_other_options_or_models_are_refused_before_any_trace(case, message):

@@ -724,6 +724,7 @@ def test_a_device_group_for_the_per_step_agreement_is_refused(monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     with pytest.raises(ValueError, match=r"dp_group=...\): a nccl group.*backend='gloo'"):
         ReplayBackend(compiler="eager", dp_group=object())
 
