@@ -12,7 +12,7 @@ from .tracing.dynamic import mark_token_dims
 from .serving import ReplayCompiled, compile
 from .step_setup import StepSetup
 from .dispatch.decide import StepKind, StepResult
-from .dispatch.agree import RankFailed
+from .dispatch.agree import RankFailed, RanksApart
 from .fallbacks import StrictFallbackError
 from .tracing.boundary import replay_begin, replay_end
 from .kv_cache import CacheLayout
@@ -38,8 +38,8 @@ __all__ = [
     "AttnView", "backend_of", "build_model", "build_step_batch", "CacheLayout", "compile",
     "counters", "CudagraphSupport", "declare_attention", "declare_row_local", "depyf_debug", "DSv41Mini",
     "dummy_step_batch", "ForwardContext", "get_forward_context", "mark_token_dims", "ModelConfig",
-    "Phase", "plan_of", "preset", "RankFailed", "replay_begin", "replay_end", "replay_rows_for", "ReplayBackend",
-    "ReplayCompiled", "ReplayConfig", "ReplayRows", "RequestChunk", "set_forward_context",
+    "Phase", "plan_of", "preset", "RankFailed", "RanksApart", "replay_begin", "replay_end", "replay_rows_for",
+    "ReplayBackend", "ReplayCompiled", "ReplayConfig", "ReplayRows", "RequestChunk", "set_forward_context",
     "SplitPlan", "StepBatch", "StepKind", "StepResult", "StepRunner", "StepSetup", "StrictFallbackError",
     "ViewField",
 ]

@@ -91,14 +91,15 @@ def model_digest(model, setup=None) -> dict:
     """What every rank's model must share before its first step, whose collectives
     would otherwise meet at other sizes or counts: its modules, each parameter's and
     buffer's shape and dtype (a rank's shard of a split weight has its peers' shape,
-    whatever its values), and the setup's window and cache layout where given."""
+    whatever its values), and the setup's window where given. Not its cache layout:
+    data-parallel ranks may hold caches of their own sizes (where that changes the
+    graphs, the capture schedule check names it)."""
     digest: dict = {f"module {name or '(the model)'}": type(m).__qualname__ for name, m in model.named_modules()}
     for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in tensors:
             digest[f"{kind} {name}"] = f"{tuple(t.shape)} {t.dtype}"
     if setup is not None:
         digest["StepSetup.window"] = setup.window
-        digest["StepSetup.layout"] = setup.layout
     return digest
 
 

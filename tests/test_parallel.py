@@ -407,6 +407,27 @@ def _different_windows(rank: int, world: int) -> None:
                            setup=LlamaServer(model).setup)
 
 
+def _one_rank_captures(rank: int, world: int) -> None:
+    """DEP2: rank 0 captures while rank 1 serves steps uncaptured (its first step meets
+    rank 0's trace before capture, its second rank 0's capture)."""
+    dp = dist.group.WORLD
+    rc = StepRunner(shard(build_model(CFG), Parallel(1, 0, None, 2, rank, dp, True)), max_model_len=256,
+                    backend=ReplayBackend(**OPTS, dp_group=dp))
+    if rank == 0:
+        rc.capture()
+    rc.step([R("a", 20, 20)])
+    rc.step([R("a", 1, 21)])
+
+
+def test_ranks_at_different_points_raise_on_each_instead_of_waiting():
+    """Capture meets the ranks in the shape of a step's agreement, saying where it is: a
+    rank serving meanwhile meets it, and both raise at once, instead of each waiting in
+    a collective the other never joins."""
+    with pytest.raises(AssertionError, match=r"raised first(.|\n)*RanksApart: dsv41_replay: the data-parallel ranks "
+                                             r"are not at the same point: this rank (captures graphs|runs a step)"):
+        run_ranks(_one_rank_captures, 2, timeout=100, collective_timeout=60)
+
+
 def _outside_the_group(rank: int, world: int) -> None:
     """Each rank passes the group the other rank alone belongs to."""
     groups = [dist.new_group([0]), dist.new_group([1])]
@@ -485,13 +506,15 @@ def test_groups_of_one_rank_run_their_collectives_too(how):
 
 
 def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
-    """One all-reduce (max) of six numbers: no graphs if any rank has none, the largest
+    """One all-reduce (max) of eight numbers: no graphs if any rank has none, the largest
     token count and replay rows, trimming if any rank has rows to trim, no FULL graph
-    if any rank's batch cannot take one, and the highest rank that failed the step."""
+    if any rank's batch cannot take one, the highest rank that failed the step, and where
+    the ranks meet (a step), as itself and its negative."""
     from replay_backend.dispatch import agree as agree_mod
 
     sent = []
-    other = [torch.tensor([0, 90, 1, 40, 0, 0])]  # graphs, 90 tokens, trimmable, 40 rows, FULL possible, no failure
+    other = [torch.tensor([0, 90, 1, 40, 0, 0, 1, -1])]  # graphs, 90 tokens, trimmable, 40 rows, FULL possible,
+    # no failure, at a step
 
     def fake_all_reduce(t, op, group):
         sent.append(t.tolist())
@@ -500,16 +523,19 @@ def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     monkeypatch.setattr(dist, "get_rank", lambda group: 2)
     got = agree_mod.agree(object(), True, 20, False, 20, True)
-    assert got == agree_mod.Agreement(True, 90, True, 40, True) and sent == [[0, 20, 0, 20, 0, 0]]
+    assert got == agree_mod.Agreement(True, 90, True, 40, True) and sent == [[0, 20, 0, 20, 0, 0, 1, -1]]
     assert agree_mod.agree(object(), False, 100, False, 60) == agree_mod.Agreement(False, 100, True, 60, False)
-    other[0] = torch.tensor([0, 4, 0, 4, 1, 0])  # the other rank's batch cannot run FULL
+    other[0] = torch.tensor([0, 4, 0, 4, 1, 0, 1, -1])  # the other rank's batch cannot run FULL
     assert agree_mod.agree(object(), True, 2, False, 2, True) == agree_mod.Agreement(True, 4, False, 4, False)
-    other[0] = torch.tensor([0, 4, 0, 4, 0, 2])  # rank 1 failed; this one (2) too
+    other[0] = torch.tensor([0, 4, 0, 4, 0, 2, 1, -1])  # rank 1 failed; this one (2) too
     got = agree_mod.agree(object(), True, 0, False, 0, True, failed=True)
-    assert sent[-1] == [0, 0, 0, 0, 0, 3] and got.failed_rank == 2
-    other[0] = torch.tensor([0, 4, 0, 4, 0, 2])
+    assert sent[-1] == [0, 0, 0, 0, 0, 3, 1, -1] and got.failed_rank == 2
+    other[0] = torch.tensor([0, 4, 0, 4, 0, 2, 1, -1])
     got = agree_mod.agree(object(), True, 4, False, 4, True)
     assert got.failed_rank == 1
     with pytest.raises(agree_mod.RankFailed, match="data-parallel rank 1 failed this step"):
         agree_mod.check_no_rank_failed(got)
     agree_mod.check_no_rank_failed(agree_mod.Agreement(True, 4, False, 4))
+    other[0] = torch.tensor([1, 0, 0, 0, 0, 0, 2, -2])  # the other rank captures
+    with pytest.raises(agree_mod.RanksApart, match="this rank runs a step while another captures graphs"):
+        agree_mod.agree(object(), True, 4, False, 4, True)

@@ -12,6 +12,7 @@ from ..dispatch.full_policy import resolve_policy
 from ..fallbacks import Fallback
 from ..forward_context import has_forward_context, set_forward_context
 from ..lifecycle import Phase
+from ..dispatch.agree import meet_to_capture
 from ..parallel import check_same_schedule
 from .full import full_capture_step
 
@@ -73,6 +74,8 @@ def _prepared(be, setup, what: str):
 
 
 def _check_same_schedule(be) -> None:
+    if be.dp_group is not None:  # first, in the shape of a step's agreement: a rank serving meanwhile meets it
+        meet_to_capture(be.dp_group)
     for group in (be.dp_group, be.tp_group):
         if group is not None:
             check_same_schedule(be.model, group)

@@ -4,7 +4,8 @@ The ranks of a data-parallel group run batches of their own, yet their steps mus
 meet: a collective inside a captured piece (an expert-parallel MoE's token exchange)
 needs every rank in the same graph at the same size, and in the replay region at the
 same replay size. So before each step every rank offers six numbers and all take the
-maximum of each (one all-reduce of six integers):
+maximum of each (one all-reduce of eight integers, the last two saying where the
+ranks meet):
 
 * whether it must run without graphs (a warm-up step): then no rank uses graphs;
 * its token count: every rank pads its main layers to the size that fits the largest
@@ -22,6 +23,11 @@ maximum of each (one all-reduce of six integers):
   as its rank plus one: then every rank raises :class:`RankFailed` naming it, instead
   of waiting in a collective of the step that rank will not join.
 
+Where the ranks meet is the other host collective of the group, capture, offered as
+its number and its negative: a rank capturing while another runs a step sees both,
+and every rank raises :class:`RanksApart` instead of waiting in a collective the
+other never joins.
+
 From these every rank derives the same decision (decide.plan_step). An idle rank
 takes part through a dummy step of one token, padded to the agreed size. The group is
 a CPU (gloo) group (the backend refuses another): the numbers are the host's, and a
@@ -29,6 +35,7 @@ device collective would make the host wait for the device on every step.
 """
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 
@@ -53,18 +60,43 @@ class RankFailed(RuntimeError):
     """Another data-parallel rank failed this step before the ranks agreed on it."""
 
 
+class RanksApart(RuntimeError):
+    """The data-parallel ranks met in different places: one captures, another serves."""
+
+
+class Meeting(enum.IntEnum):
+    """Where the ranks of a data-parallel group meet on the host."""
+
+    STEP = 1
+    CAPTURE = 2
+
+
 def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, full: bool = False,
-          failed: bool = False) -> Agreement:
+          failed: bool = False, meeting: Meeting = Meeting.STEP) -> Agreement:
     """All-reduce (max) this rank's offer over ``group``; returns what every rank takes.
     ``failed``: this rank raises after the agreement instead of running the step."""
     import torch.distributed as dist
 
     me = dist.get_rank(group) + 1 if failed else 0
-    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows, int(not full), me], dtype=torch.int64)
+    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows, int(not full), me,
+                          meeting, -meeting], dtype=torch.int64)
     dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=group)
-    no_graphs, tokens, trimmable, rows, no_full, failed_rank = offer.tolist()
+    no_graphs, tokens, trimmable, rows, no_full, failed_rank, latest, neg_earliest = offer.tolist()
+    if latest != -neg_earliest:
+        error = RanksApart(f"dsv41_replay: the data-parallel ranks are not at the same point: this rank "
+                           f"{'captures graphs' if meeting is Meeting.CAPTURE else 'runs a step'} while another "
+                           f"{'runs a step' if meeting is Meeting.CAPTURE else 'captures graphs'}: every rank calls "
+                           "capture() at the same point, after the same steps, before any serves")
+        mark_told(error)  # every rank raises it: reported again, it is no new failure
+        raise error
     return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full,
                      int(failed_rank) - 1 if failed_rank else None)
+
+
+def meet_to_capture(group) -> None:
+    """Every rank of ``group`` is about to capture: raises :class:`RanksApart` on each
+    where some rank runs a step instead."""
+    agree(group, False, 0, False, 0, meeting=Meeting.CAPTURE)
 
 
 # Set on an error once every rank knows of its step's failure (this rank joined the
