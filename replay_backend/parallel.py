@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from torch.nn.parameter import is_lazy
+
 log = logging.getLogger("replay_backend")
 
 
@@ -38,7 +40,7 @@ def check_groups(config, dp_group, tp_group) -> None:
                     "(ReplayBackend(tp_group=...)): there is no other rank to compare plans with")
     for group in (dp_group, tp_group):
         if group is not None:
-            check_same_options(config, group)
+            check_same_options(config, group, rank_checks=group is tp_group)
 
 
 def schedule(model) -> dict:
@@ -74,9 +76,28 @@ def check_same(mine: dict, group, what: str) -> None:
     _compare(_gathered(mine, group), group, what)
 
 
+def _check_same_point(every: list, group) -> None:
+    """Every rank gathered the same kind of record: a rank whose record shares no key
+    with the first's is at another check (capture's while another runs a step)."""
+    import torch.distributed as dist
+
+    from .dispatch.agree import RanksApart, mark_told
+
+    for rank, theirs in enumerate(every):
+        if not set(theirs) & set(every[0]):
+            ranks = dist.get_process_group_ranks(group)
+            error = RanksApart(f"dsv41_replay: the ranks of a group are not at the same point: rank {ranks[rank]} "
+                               f"checks {next(iter(theirs), 'nothing')!r} while rank {ranks[0]} checks "
+                               f"{next(iter(every[0]), 'nothing')!r} (one captures while another runs a step, "
+                               "say): every rank calls capture() at the same point, after the same steps")
+            mark_told(error)
+            raise error
+
+
 def _compare(every: list, group, what: str) -> None:
     import torch.distributed as dist
 
+    _check_same_point(every, group)
     first = every[0]
     for rank, theirs in enumerate(every):
         for key in [*first, *(k for k in theirs if k not in first)]:  # a key one side lacks differs too
@@ -96,8 +117,8 @@ def model_digest(model, setup=None) -> dict:
     graphs, the capture schedule check names it)."""
     digest: dict = {f"module {name or '(the model)'}": type(m).__qualname__ for name, m in model.named_modules()}
     for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in tensors:
-            digest[f"{kind} {name}"] = f"{tuple(t.shape)} {t.dtype}"
+        for name, t in tensors:  # a lazy module's tensor has no shape until its first call
+            digest[f"{kind} {name}"] = "uninitialized" if is_lazy(t) else f"{tuple(t.shape)} {t.dtype}"
     if setup is not None:
         digest["StepSetup.window"] = setup.window
     return digest
@@ -111,31 +132,35 @@ def check_same_schedule(model, group) -> None:
     check_same(schedule(model), group, "the ranks would capture different graphs")
 
 
-def check_same_options(config, group) -> None:
+def check_same_options(config, group, rank_checks: bool = False) -> None:
     """The ranks' options, but the debug ones that stay on their rank (a dump path may
-    differ per rank): ``debug_check_ranks`` adds a collective to every step, which
-    every rank must join."""
-    mine = {k: v for k, v in config.as_dict().items() if not k.startswith("debug_") or k == "debug_check_ranks"}
+    differ per rank). ``rank_checks``: ``debug_check_ranks`` too, which on a
+    tensor-parallel group adds a collective to every step that every rank must join."""
+    mine = {k: v for k, v in config.as_dict().items()
+            if not k.startswith("debug_") or rank_checks and k == "debug_check_ranks"}
     check_same(mine, group, "the ranks were given different options")
 
 
 def check_same_plan(plan, group) -> None:
-    """The tensor-parallel ranks' plans of one step, compared (``debug_check_ranks``).
-    ``plan`` None: this rank gave up the step before running it (``fail_step``, which
-    raises its own error); every other rank then raises ``RankFailed`` naming it,
-    rather than run the step's collectives without it."""
+    check_same({"step plan": plan}, group, "tensor-parallel ranks decided a step differently")
+
+
+def tp_peer_failed(group, failed: bool):
+    """With ``debug_check_ranks``, ahead of each step: whether this rank (``failed``, in
+    ``fail_step``) or a tensor-parallel peer gave up the step. Returns the
+    ``RankFailed`` naming the peer for the others to raise (having told their own
+    data-parallel ranks first), else None."""
     import torch.distributed as dist
 
     from .dispatch.agree import RankFailed, mark_told
 
-    every = _gathered({"step plan": plan}, group)
-    failed = next((r for r, p in enumerate(every) if p["step plan"] is None), None)
-    if failed is not None:
-        if plan is None:
-            return
-        error = RankFailed(f"dsv41_replay: tensor-parallel rank {dist.get_process_group_ranks(group)[failed]} "
-                           "failed this step before running it (its own error says why), so no rank runs it: "
-                           "the step's collectives would wait for that rank")
-        mark_told(error)
-        raise error
-    _compare(every, group, "tensor-parallel ranks decided a step differently")
+    every = _gathered({"step given up": failed}, group)
+    _check_same_point(every, group)
+    peer = next((r for r, p in enumerate(every) if p["step given up"]), None)
+    if failed or peer is None:
+        return None
+    error = RankFailed(f"dsv41_replay: tensor-parallel rank {dist.get_process_group_ranks(group)[peer]} failed "
+                       "this step before running it (its own error says why), so no rank runs it: the step's "
+                       "collectives would wait for that rank")
+    mark_told(error)
+    return error

@@ -118,12 +118,15 @@ class ReplayCompiled(nn.Module):
         be = self.backend
         serving = be.lifecycle.serving
         if serving:
+            started = be.model.started
             try:
                 return call_dynamic(self.compiled, tokens, True, *args, **kwargs)
-            except compat_dynamo.RECOMPILE_ERRORS as e:  # refused by Dynamo, before any of the step ran
+            except compat_dynamo.RECOMPILE_ERRORS as e:
                 err = RuntimeError(f"dsv41_replay: recompile after warm-up (while serving): {why_recompile(be)}")
                 err.__cause__ = e
-                be.fail_step(err)  # data-parallel ranks raise too, rather than wait for this one
+                if be.model.started == started:  # Dynamo refused the call before the step began
+                    be.fail_step(err)  # data-parallel ranks raise too, rather than wait for this one
+                raise err from e
         if self._learned is not None or not be.config.direct_dispatch:
             return call_dynamic(self.compiled, tokens, False, *args, **kwargs)
         with be.calls.watch():

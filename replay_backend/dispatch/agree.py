@@ -3,8 +3,8 @@
 The ranks of a data-parallel group run batches of their own, yet their steps must
 meet: a collective inside a captured piece (an expert-parallel MoE's token exchange)
 needs every rank in the same graph at the same size, and in the replay region at the
-same replay size. So before each step every rank offers six numbers and all take the
-maximum of each (one all-reduce of eight integers, the last two saying where the
+same replay size. So before each step every rank offers its numbers and all take the
+maximum of each (one all-reduce of eight integers; the last two, below, say where the
 ranks meet):
 
 * whether it must run without graphs (a warm-up step): then no rank uses graphs;
@@ -107,8 +107,16 @@ _TOLD = "_dsv41_replay_step_failed"
 
 
 def told(error: BaseException) -> bool:
-    """Whether every rank already knows of the step failure ``error`` reports."""
-    return bool(getattr(error, _TOLD, False))
+    """Whether every rank already knows of the step failure ``error`` reports, itself or
+    the error it wraps (Dynamo wraps what a backend raises while compiling in
+    ``BackendCompilerFailed.inner_exception``; Python chains causes)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if getattr(error, _TOLD, False):
+            return True
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return False
 
 
 def mark_told(error: BaseException) -> None:

@@ -19,7 +19,7 @@ from ..lifecycle import Phase
 from ..capture.full import FullGraphs
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .decide import Sizes, StepKind, StepPlan, plan_step
-from ..parallel import check_same_plan
+from ..parallel import check_same_plan, tp_peer_failed
 from .agree import agree, check_no_rank_failed, mark_told, tell_failed, told
 from .direct import GraphCall
 from .step_inputs import StepInputs
@@ -72,6 +72,7 @@ class CompiledReplayModel:
         # The arguments of the first call, the token count left open (direct.GraphCall):
         # how the backend runs dummy steps itself. The plan of the last step run.
         self.graph_call: GraphCall | None = None
+        self.started = 0  # calls that reached this model: a step under way, maybe agreed
         self.last_plan: StepPlan | None = None
         self.grad_enabled = False  # the grad mode it was traced under (the backend sets it)
         self.needs_context = replay is not None or any(p.kind == "attention" for p in plan.main_pieces)
@@ -102,6 +103,7 @@ class CompiledReplayModel:
 
     # ---- one step -------------------------------------------------------------------
     def __call__(self, *args):
+        self.started += 1
         call = self.graph_call
         if call is None:
             call = self.graph_call = GraphCall.of(self, args)
@@ -169,10 +171,17 @@ class CompiledReplayModel:
                                "runs without graphs. Keep it constant, or make it a 0-dim tensor on the model's "
                                "device that you update in place")
         agreement = None
+        # With debug_check_ranks a tensor-parallel rank that gave up the step says so first,
+        # so that its peers give it up in their own data-parallel agreements too.
+        peer_failed = self.tp_group is not None and tp_peer_failed(self.tp_group, False)
         if self._agrees:
             agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
-                              batch.replay.num_rows if batch is not None else num_tokens, full)
-            check_no_rank_failed(agreement)
+                              batch.replay.num_rows if batch is not None else num_tokens, full,
+                              failed=bool(peer_failed))
+            if not peer_failed:
+                check_no_rank_failed(agreement)
+        if peer_failed:
+            raise peer_failed
         plan = self._plan(ctx, num_tokens, use_graphs, agreement, full)
         if self.tp_group is not None:
             check_same_plan(plan, self.tp_group)
@@ -201,15 +210,14 @@ class CompiledReplayModel:
         """Raise ``error``, this rank's own before the step's agreement: with
         data-parallel ranks after telling them in the agreement, so that each raises
         too rather than wait in a collective of the step this rank will not join; with
-        ``debug_check_ranks``, the tensor-parallel ranks in the step's plan check too.
+        ``debug_check_ranks``, the tensor-parallel ranks too, in an exchange ahead of it.
         Without that check a tensor-parallel rank is not told: the ranks share one batch,
         so a refusal on one of them alone means their servers diverged."""
-        first = not told(error)
+        if not told(error) and self.tp_group is not None and self.token_inputs:
+            tp_peer_failed(self.tp_group, True)  # before the data-parallel agreement, as decide() meets it
         if self._agrees:
             tell_failed(self.dp_group, error)
-        if first and self.tp_group is not None and self.token_inputs:
-            check_same_plan(None, self.tp_group)
-            mark_told(error)
+        mark_told(error)
         raise error
 
     def _step(self, ctx, args) -> tuple:
