@@ -28,6 +28,10 @@ its number and its negative: a rank capturing while another runs a step sees bot
 and every rank raises :class:`RanksApart` instead of waiting in a collective the
 other never joins.
 
+With ``debug_check_ranks`` the tensor-parallel ranks, which agree on nothing else per
+step, say ahead of it whether one gave the step up (:func:`agree_step`): its peers then
+give it up in their own agreements, so that no rank of either group runs it.
+
 From these every rank derives the same decision (decide.plan_step). An idle rank
 takes part through a dummy step of one token, padded to the agreed size. The group is
 a CPU (gloo) group (the backend refuses another): the numbers are the host's, and a
@@ -40,6 +44,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from ..parallel import tp_peer_failed
 
 log = logging.getLogger("replay_backend")
 
@@ -91,6 +97,34 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, f
         raise error
     return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full,
                      int(failed_rank) - 1 if failed_rank else None)
+
+
+def agree_step(dp_group, tp_group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int,
+               full: bool) -> Agreement | None:
+    """The step's agreement (None without data-parallel ranks, ``dp_group`` None),
+    raising :class:`RankFailed` where a rank gave the step up. ``tp_group`` (with
+    ``debug_check_ranks``): the tensor-parallel ranks first say whether one gave it up,
+    so that its peers give it up in their own data-parallel agreements too and no rank
+    of either group runs it."""
+    peer_failed = tp_peer_failed(tp_group, False) if tp_group is not None else None
+    agreement = None
+    if dp_group is not None:
+        agreement = agree(dp_group, graphs, tokens, trimmable, replay_rows, full, failed=peer_failed is not None)
+        if peer_failed is None:
+            check_no_rank_failed(agreement)
+    if peer_failed is not None:
+        raise peer_failed
+    return agreement
+
+
+def give_up_step(dp_group, tp_group, error: BaseException) -> None:
+    """This rank gives up its step with ``error``: it meets its ranks where
+    :func:`agree_step` does, as failed, once per error (a server may report it again)."""
+    if not told(error) and tp_group is not None:
+        tp_peer_failed(tp_group, True)
+    if dp_group is not None:
+        tell_failed(dp_group, error)
+    mark_told(error)
 
 
 def meet_to_capture(group) -> None:

@@ -19,8 +19,8 @@ from ..lifecycle import Phase
 from ..capture.full import FullGraphs
 from ..capture.graphs import GraphLevel, GraphResources, PieceRunner
 from .decide import Sizes, StepKind, StepPlan, plan_step
-from ..parallel import check_same_plan, tp_peer_failed
-from .agree import agree, check_no_rank_failed, mark_told, tell_failed, told
+from ..parallel import check_same_plan
+from .agree import agree_step, give_up_step
 from .direct import GraphCall
 from .step_inputs import StepInputs
 from .trim_op import ReplayRuntime
@@ -170,18 +170,9 @@ class CompiledReplayModel:
                                f"the first call ({changed}); captured graphs hold its first value, so this step "
                                "runs without graphs. Keep it constant, or make it a 0-dim tensor on the model's "
                                "device that you update in place")
-        agreement = None
-        # With debug_check_ranks a tensor-parallel rank that gave up the step says so first,
-        # so that its peers give it up in their own data-parallel agreements too.
-        peer_failed = self.tp_group is not None and tp_peer_failed(self.tp_group, False)
-        if self._agrees:
-            agreement = agree(self.dp_group, use_graphs, num_tokens, batch is not None and batch.has_trimmable_rows,
-                              batch.replay.num_rows if batch is not None else num_tokens, full,
-                              failed=bool(peer_failed))
-            if not peer_failed:
-                check_no_rank_failed(agreement)
-        if peer_failed:
-            raise peer_failed
+        agreement = agree_step(self.dp_group if self._agrees else None, self.tp_group, use_graphs, num_tokens,
+                               batch is not None and batch.has_trimmable_rows,
+                               batch.replay.num_rows if batch is not None else num_tokens, full)
         plan = self._plan(ctx, num_tokens, use_graphs, agreement, full)
         if self.tp_group is not None:
             check_same_plan(plan, self.tp_group)
@@ -213,11 +204,7 @@ class CompiledReplayModel:
         ``debug_check_ranks``, the tensor-parallel ranks too, in an exchange ahead of it.
         Without that check a tensor-parallel rank is not told: the ranks share one batch,
         so a refusal on one of them alone means their servers diverged."""
-        if not told(error) and self.tp_group is not None and self.token_inputs:
-            tp_peer_failed(self.tp_group, True)  # before the data-parallel agreement, as decide() meets it
-        if self._agrees:
-            tell_failed(self.dp_group, error)
-        mark_told(error)
+        give_up_step(self.dp_group if self._agrees else None, self.tp_group if self.token_inputs else None, error)
         raise error
 
     def _step(self, ctx, args) -> tuple:
