@@ -81,16 +81,19 @@ def mark_tokens_dynamic(*token_inputs) -> None:
         torch._dynamo.mark_dynamic(t, 0)
 
 
-def user_error(exc: BaseException) -> ValueError | None:
-    """The ValueError (bad options, a bad step) inside ``exc``: Dynamo wraps what a
-    backend raises (``BackendCompilerFailed.inner_exception``), Python chains causes."""
+def error_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the errors inside it, outermost first: Dynamo wraps what a backend
+    raises (``BackendCompilerFailed.inner_exception``), Python chains causes."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, ValueError):
-            return exc
+        yield exc
         exc = getattr(exc, "inner_exception", None) or exc.__cause__
-    return None
+
+
+def user_error(exc: BaseException) -> ValueError | None:
+    """The ValueError (bad options, a bad step) inside ``exc``."""
+    return next((e for e in error_chain(exc) if isinstance(e, ValueError)), None)
 
 
 def step_dependent_tags() -> tuple:

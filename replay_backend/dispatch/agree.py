@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat import dynamo as compat_dynamo
 from ..parallel import tp_peer_failed
 
 log = logging.getLogger("replay_backend")
@@ -142,15 +143,8 @@ _TOLD = "_dsv41_replay_step_failed"
 
 def told(error: BaseException) -> bool:
     """Whether every rank already knows of the step failure ``error`` reports, itself or
-    the error it wraps (Dynamo wraps what a backend raises while compiling in
-    ``BackendCompilerFailed.inner_exception``; Python chains causes)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if getattr(error, _TOLD, False):
-            return True
-        seen.add(id(error))
-        error = getattr(error, "inner_exception", None) or error.__cause__
-    return False
+    an error it wraps (a refusal Dynamo wrapped while compiling)."""
+    return any(getattr(e, _TOLD, False) for e in compat_dynamo.error_chain(error))
 
 
 def mark_told(error: BaseException) -> None:
