@@ -12,7 +12,7 @@ from .tracing.dynamic import mark_token_dims
 from .serving import ReplayCompiled, compile
 from .step_setup import StepSetup
 from .dispatch.decide import StepKind, StepResult
-from .dispatch.agree import RankFailed, RanksApart
+from .rank_errors import RankFailed, RanksApart
 from .fallbacks import StrictFallbackError
 from .tracing.boundary import replay_begin, replay_end
 from .kv_cache import CacheLayout

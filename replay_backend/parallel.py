@@ -15,6 +15,8 @@ import logging
 
 from torch.nn.parameter import is_lazy
 
+from .rank_errors import RanksApart, mark_told
+
 log = logging.getLogger("replay_backend")
 
 
@@ -62,7 +64,7 @@ def schedule(model) -> dict:
 _NONE = object()
 
 
-def _gathered(mine, group) -> list:
+def gathered(mine, group) -> list:
     import torch.distributed as dist
 
     every: list = [None] * dist.get_world_size(group)
@@ -73,15 +75,13 @@ def _gathered(mine, group) -> list:
 def check_same(mine: dict, group, what: str) -> None:
     """Raise on every rank of ``group`` when any rank's ``mine`` differs from the first
     rank's, naming the ranks and the first key that differs (``what``: the error's lead)."""
-    _compare(_gathered(mine, group), group, what)
+    _compare(gathered(mine, group), group, what)
 
 
-def _check_same_point(every: list, group) -> None:
+def check_same_point(every: list, group) -> None:
     """Every rank gathered the same kind of record: a rank whose record shares no key
     with the first's is at another check (capture's while another runs a step)."""
     import torch.distributed as dist
-
-    from .dispatch.agree import RanksApart, mark_told
 
     for rank, theirs in enumerate(every):
         if not set(theirs) & set(every[0]):
@@ -97,7 +97,7 @@ def _check_same_point(every: list, group) -> None:
 def _compare(every: list, group, what: str) -> None:
     import torch.distributed as dist
 
-    _check_same_point(every, group)
+    check_same_point(every, group)
     first = every[0]
     for rank, theirs in enumerate(every):
         for key in [*first, *(k for k in theirs if k not in first)]:  # a key one side lacks differs too
@@ -143,24 +143,3 @@ def check_same_options(config, group, rank_checks: bool = False) -> None:
 
 def check_same_plan(plan, group) -> None:
     check_same({"step plan": plan}, group, "tensor-parallel ranks decided a step differently")
-
-
-def tp_peer_failed(group, failed: bool):
-    """With ``debug_check_ranks``, ahead of each step: whether this rank (``failed``, in
-    ``fail_step``) or a tensor-parallel peer gave up the step. Returns the
-    ``RankFailed`` naming the peer for the others to raise (having told their own
-    data-parallel ranks first), else None."""
-    import torch.distributed as dist
-
-    from .dispatch.agree import RankFailed, mark_told
-
-    every = _gathered({"step given up": failed}, group)
-    _check_same_point(every, group)
-    peer = next((r for r, p in enumerate(every) if p["step given up"]), None)
-    if failed or peer is None:
-        return None
-    error = RankFailed(f"dsv41_replay: tensor-parallel rank {dist.get_process_group_ranks(group)[peer]} failed "
-                       "this step before running it (its own error says why), so no rank runs it: the step's "
-                       "collectives would wait for that rank")
-    mark_told(error)
-    return error

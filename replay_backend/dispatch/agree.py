@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compat import dynamo as compat_dynamo
-from ..parallel import tp_peer_failed
+from ..parallel import check_same_point, gathered
+from ..rank_errors import RankFailed, RanksApart, mark_told, told
 
 log = logging.getLogger("replay_backend")
 
@@ -61,14 +61,6 @@ class Agreement:
     replay_rows: int  # the largest rank's replay rows
     full: bool = True  # every rank's batch may run as one FULL graph
     failed_rank: int | None = None  # a rank (the highest) that failed the step before agreeing
-
-
-class RankFailed(RuntimeError):
-    """Another data-parallel rank failed this step before the ranks agreed on it."""
-
-
-class RanksApart(RuntimeError):
-    """The data-parallel ranks met in different places: one captures, another serves."""
 
 
 class Meeting(enum.IntEnum):
@@ -98,6 +90,25 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, f
         raise error
     return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full,
                      int(failed_rank) - 1 if failed_rank else None)
+
+
+def tp_peer_failed(group, failed: bool) -> RankFailed | None:
+    """With ``debug_check_ranks``, ahead of each step: whether this rank (``failed``, in
+    ``fail_step``) or a tensor-parallel peer gave up the step. Returns the
+    ``RankFailed`` naming the peer for the others to raise (having told their own
+    data-parallel ranks first), else None."""
+    import torch.distributed as dist
+
+    every = gathered({"step given up": failed}, group)
+    check_same_point(every, group)
+    peer = next((r for r, p in enumerate(every) if p["step given up"]), None)
+    if failed or peer is None:
+        return None
+    error = RankFailed(f"dsv41_replay: tensor-parallel rank {dist.get_process_group_ranks(group)[peer]} failed "
+                       "this step before running it (its own error says why), so no rank runs it: the step's "
+                       "collectives would wait for that rank")
+    mark_told(error)
+    return error
 
 
 def agree_step(dp_group, tp_group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int,
@@ -132,26 +143,6 @@ def meet_to_capture(group) -> None:
     """Every rank of ``group`` is about to capture: raises :class:`RanksApart` on each
     where some rank runs a step instead."""
     agree(group, False, 0, False, 0, meeting=Meeting.CAPTURE)
-
-
-# Set on an error once every rank knows of its step's failure (this rank joined the
-# agreement as failed, or the error is the RankFailed the agreement raised): a caller
-# that reports it again (a build_batch refusal or a RankFailed caught by a server's own
-# fail_step) must not join the next step's agreement with it.
-_TOLD = "_dsv41_replay_step_failed"
-
-
-def told(error: BaseException) -> bool:
-    """Whether every rank already knows of the step failure ``error`` reports, itself or
-    an error it wraps (a refusal Dynamo wrapped while compiling)."""
-    return any(getattr(e, _TOLD, False) for e in compat_dynamo.error_chain(error))
-
-
-def mark_told(error: BaseException) -> None:
-    try:
-        setattr(error, _TOLD, True)
-    except AttributeError:  # an exception type without a __dict__: told, unmarked
-        pass
 
 
 def tell_failed(group, error: BaseException) -> None:
