@@ -123,16 +123,18 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> Ext
         return const_ph[x]
 
     for node in body:
+        # replay_begin's outputs too: after a trim only the replay rows exist
+        for user in node.users:
+            if user not in body_set and user is not end:
+                raise ReplayRegionError(f"{node.name}, {'an output of replay_begin' if node in env else 'computed'} "
+                                        f"in the replay region, is used by {user.name} after it: the boundary "
+                                        "must be single-exit")
         if node in env:
             continue
         if is_op(node, forbidden_ops):
             raise ReplayRegionError(f"KV source op {op_name(node.target)} at {node.name} lies after the cut: "
                                     "the replay region must not write KV that later layers or steps read "
                                     "for every row (declared kv_source=True)")
-        for user in node.users:
-            if user not in body_set and user is not end:
-                raise ReplayRegionError(f"{node.name}, computed in the replay region, is used by "
-                                        f"{user.name} after it: the boundary must be single-exit")
         if not is_op(node, allowed_ops):
             why = row_mixing(node, token_syms, row_counts)
             if why is not None:

@@ -375,6 +375,23 @@ def test_region_not_single_exit():
         extract(trace(f))
 
 
+@pytest.mark.parametrize("which", ["row", "position"])
+def test_region_input_used_after_the_region_is_not_single_exit(which):
+    """replay_begin's own outputs used after replay_end escape the region as much as a
+    value computed in it: the step's rows are no longer there after a trim."""
+    def f(x, pos):
+        x = x + pos[:, None]
+        h, p = replay_begin(x, pos, window=W)
+        (o,) = replay_end(h * 2)
+        return o + (h if which == "row" else p[:, None])
+
+    gm = trace(f)
+    before = str(gm.graph)
+    with pytest.raises(ReplayRegionError, match=r"an output of replay_begin in the replay region, is used by .* single-exit"):
+        extract(gm)
+    assert str(gm.graph) == before  # refused before the rewrite: nothing half-applied
+
+
 ROW_MIXING = {
     "sum over tokens": lambda h, p: h - h.sum(0),
     "mean over tokens, keepdim": lambda h, p: h - h.mean(0, keepdim=True),
