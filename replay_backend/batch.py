@@ -222,7 +222,8 @@ def build_step_batch(requests, token_ids, blocks: list[int], layout: CacheLayout
             whole = built_field(name, f.build(pos, slots, layout), t, f.width)
             extra += [whole, whole.view(-1, f.width)[kept].reshape(-1)]
         else:
-            extra += [built_field(name, f.build(q, seq_lens, floors, base, window)) for q in (qsl, kqsl)]
+            extra += [built_field(name, f.build(q, seq_lens, floors, base, window), width=f.width)
+                      for q in (qsl, kqsl)]
     # One copy to the device for the metadata, every field a view of it, and for the
     # inputs too where the caller allows (each copy is host time before the first kernel).
     # The count and rows come first: in a metadata buffer they sit at its head, where the

@@ -41,12 +41,16 @@ def check_inputs(requests, token_ids, blocks, layout: CacheLayout, pad_writes: b
 
 def built_field(name: str, value, rows: int | None = None, width: int = 1) -> torch.Tensor:
     """A ViewField's built value, refused naming the field where it is not a flat int64
-    host tensor (for a per-row field, ``width`` values for each of ``rows`` rows)."""
+    host tensor of whole rows of ``width`` values (for a per-row field, one for each of
+    ``rows`` rows)."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
         what = f"a {value.dim()}-D {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"ViewField {name!r}: build must return a 1-D int64 tensor, got {what}")
     if rows is not None and value.shape[0] != rows * width:
         raise ValueError(f"ViewField {name!r}: build returned {value.shape[0]} values for {rows} rows of width "
+                         f"{width}")
+    if value.shape[0] % width:
+        raise ValueError(f"ViewField {name!r}: build returned {value.shape[0]} values, not whole rows of width "
                          f"{width}")
     return value
 

@@ -294,6 +294,8 @@ def _pos(p, s, layout):
     (ViewField(lambda p, s, layout: p.float(), per_row=True), r"ViewField 'f': build must return a 1-D int64 tensor, "
                                                                r"got a 1-D torch.float32 tensor"),
     (ViewField(lambda q, s, k, b, w: list(q)), r"ViewField 'f': build must return a 1-D int64 tensor, got list"),
+    (ViewField(lambda q, s, k, b, w: torch.zeros(4 * q[-1] + 1, dtype=torch.int64), 3),
+     r"ViewField 'f': build returned 13 values, not whole rows of width 3"),
 ])
 def test_a_view_field_that_builds_the_wrong_value_is_refused_naming_it(field, match):
     with pytest.raises(ValueError, match=match):
