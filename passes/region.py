@@ -30,6 +30,36 @@ class ExtractedRegion:
     window: int | None
 
 
+class MarkerError(ValueError):
+    """The graph's markers do not pair up: which layers read the replay floor would
+    depend on graphs this one cannot see."""
+
+
+def replay_spans(gm: fx.GraphModule) -> frozenset:
+    """The nodes from each ``replay_begin`` to the ``replay_end`` after it: those the
+    markers point at the replay layers' view when the model runs uncompiled, which a
+    region left in the main graph must point there too. Raises :class:`MarkerError`
+    where the markers do not alternate begin, end, begin, end within the graph."""
+    inside, opened = [], None
+    hint = ("mark the replay layers with one replay_begin and one replay_end in one graph (a graph break "
+            "between them splits the pair: TORCH_LOGS=graph_breaks names it)")
+    for node in gm.graph.nodes:
+        if is_op(node, BEGIN):
+            if opened is not None:
+                raise MarkerError(f"replay_begin at {node.name} comes while the one at {opened.name} is still "
+                                  f"open: {hint}")
+            opened = node
+        elif is_op(node, END):
+            if opened is None:
+                raise MarkerError(f"replay_end at {node.name} has no replay_begin before it in this graph: {hint}")
+            opened = None
+        elif opened is not None:
+            inside.append(node)
+    if opened is not None:
+        raise MarkerError(f"replay_begin at {opened.name} has no replay_end after it in this graph: {hint}")
+    return frozenset(inside)
+
+
 def find_markers(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node] | None:
     begins = [n for n in gm.graph.nodes if is_op(n, BEGIN)]
     ends = [n for n in gm.graph.nodes if is_op(n, END)]
@@ -55,6 +85,26 @@ def marked_window(gm: fx.GraphModule) -> int | None:
         return None
     begin = markers[0]
     return begin.args[1] if len(begin.args) > 1 else begin.kwargs.get("window")
+
+
+def _check_after_end(gm: fx.GraphModule, end: fx.Node, allowed_ops, token_syms: set, row_counts: set) -> None:
+    """What reads the region's results after ``replay_end`` reads each row alone: after
+    a trim only the kept rows hold results, and the caller reads only those."""
+    after = set(end.users)
+    for node in gm.graph.nodes:
+        if node not in after and not any(x in after for x in node.all_input_nodes):
+            continue
+        after.add(node)
+        if node.op == "output":
+            continue
+        if is_op(node, allowed_ops):
+            raise ReplayRegionError(f"attention op {op_name(node.target)} at {node.name} runs after replay_end on "
+                                    "the region's results, whose rows a trim leaves unwritten but the kept ones: "
+                                    "every attention layer from the first replay layer on goes inside the region")
+        why = row_mixing(node, token_syms, row_counts)
+        if why is not None:
+            raise ReplayRegionError(f"after replay_end, the region's results are not row-local: {why} (after a "
+                                    "trim only the kept rows hold results)")
 
 
 def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> ExtractedRegion | None:
@@ -147,6 +197,13 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> Ext
     for x in end_inputs:
         if x not in body_set and x not in env:
             raise ReplayRegionError(f"replay_end output {x.name} is not computed in the region")
+        v = node_value(x)
+        rows = v.shape[0] if isinstance(v, torch.Tensor) and v.dim() else None
+        if not isinstance(rows, torch.SymInt) or rows.node.expr != n0.node.expr:
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ReplayRegionError(f"replay_end input {x.name} ({shape}) is not indexed by token: the region's "
+                                    "results leave it one row per token, as its inputs enter it")
+    _check_after_end(gm, end, allowed_ops, token_syms, row_counts)
     rg.output(tuple(env[x] for x in end_inputs))
     region = fx.GraphModule(gm, rg, class_name="ReplayRegion")
 

@@ -24,7 +24,7 @@ from .dispatch.region_attention import RegionAttention
 from .dispatch.trim_op import ReplayRuntime
 from .lifecycle import Lifecycle
 from .ops import BEGIN, END, TRIM
-from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, find_markers, marked_window
+from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, marked_window, replay_spans
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
 from .passes.split import input_sources, live_across, split_at_ops, step_dependent_ops, unsplit_attention
@@ -107,7 +107,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     full_sizes = [s for s in cfg.full_capture_sizes(region is not None) if s in graph_sizes]
     main_level = GraphLevel("main", main_sizes)
     split, main_infos = split_at_ops(gm, splitting, TRIM if region is not None else None,
-                                     _left_in_main(gm) if region is None else frozenset())
+                                     replay_spans(gm) if region is None else frozenset())
     parts = _region_parts(region, cfg, splitting, main_sizes, graphs, res) if region is not None else None
     _compile(split, main_infos, main_level, parts, cfg, res, cache, traced)
     for info in main_infos:
@@ -174,24 +174,12 @@ def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphRes
     return region, None
 
 
-def _left_in_main(gm: fx.GraphModule) -> frozenset:
-    """The nodes between the boundary markers of a graph whose region is not cut out."""
-    try:
-        markers = find_markers(gm)
-    except ReplayRegionError:
-        return frozenset()
-    if markers is None:
-        return frozenset()
-    nodes = list(gm.graph.nodes)
-    return frozenset(nodes[nodes.index(markers[0]) + 1:nodes.index(markers[1])])
-
-
 def _refuse_unsplit_attention_in_replay_layers(gm: fx.GraphModule, splitting) -> None:
     """Attention in the replay layers applies each request's replay floor in every step,
     which it learns from the view a splitting op is pointed at (the trim op's, or
     RegionAttention's where the region stays in the main graph). Left inside a piece it
     would read the whole batch's view and attend below the floor: wrong, in every mode."""
-    found = unsplit_attention(_left_in_main(gm), splitting)
+    found = unsplit_attention(replay_spans(gm), splitting)
     if found:
         raise ValueError(f"option splitting_ops leaves out {', '.join(found)}, declared attention in the replay "
                          "layers (between replay_begin and replay_end): attention there applies the replay floor "

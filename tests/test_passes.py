@@ -392,6 +392,24 @@ def test_region_input_used_after_the_region_is_not_single_exit(which):
     assert str(gm.graph) == before  # refused before the rewrite: nothing half-applied
 
 
+@pytest.mark.parametrize("out", [lambda h: torch.ones(3), lambda h: torch.zeros(()), lambda h: h.T * 1],
+                         ids=["constant", "0-dim", "transposed"])
+def test_region_result_not_indexed_by_token_is_refused(out):
+    """What leaves replay_end is one row per token; anything else reached the trim op's
+    copies (or pinned the token count in the rewrite) instead of a fallback."""
+    def f(x, pos):
+        x = x + pos[:, None]
+        h, p = replay_begin(x, pos, window=W)
+        (o,) = replay_end(out(h))
+        return o
+
+    gm = trace(f)
+    before = str(gm.graph)
+    with pytest.raises(ReplayRegionError, match="is not indexed by token"):
+        extract(gm)
+    assert str(gm.graph) == before
+
+
 ROW_MIXING = {
     "sum over tokens": lambda h, p: h - h.sum(0),
     "mean over tokens, keepdim": lambda h, p: h - h.mean(0, keepdim=True),

@@ -1,0 +1,162 @@
+"""Models that bend the replay boundary's rules, served against their own eager run.
+
+Each either trims and matches the eager model, runs with the region off (a counted
+fallback) and matches it, or is refused with an error naming the problem: never a
+crash inside the passes, and never other numbers than the eager model's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import replay_backend
+from gqa_rope import GQABlock
+from own_server import OwnServer, gqa_cache
+from replay_backend import RequestChunk as R
+from replay_backend import counters, plan_of, replay_begin, replay_end
+
+W = 12
+OPTS = {"compiler": "eager", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64],
+        "decoder_replay_trim_threshold": 32, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+# A prefill that trims in graphs, a lone decode, a short prefill, an eager step that trims.
+STEPS = [[R("a", 20, 20)], [R("a", 1, 21)], [R("b", 3, 3), R("a", 1, 22)], [R("c", 100, 100)]]
+
+
+class Model(nn.Module):
+    """Window layers, one full-attention layer (a KV source), then the replay layers of
+    ``tail``, which each case marks its own way."""
+
+    def __init__(self, kinds: str = "wfww") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.window, self.replay_from, self.kv_heads, self.head_dim = W, kinds.rfind("f") + 1, 1, 8
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(GQABlock(16, 2, 1, 8, 16, i, None if c == "f" else W, i >= self.replay_from)
+                                    for i, c in enumerate(kinds))
+        self.norm, self.head = nn.RMSNorm(16, eps=1e-6), nn.Linear(16, 32, bias=False)
+        self.register_buffer("inv_freq", 1000.0 ** -(torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+    def angles(self, pos):
+        f = pos.float()[:, None] * self.inv_freq[None, :]
+        f = torch.cat((f, f), -1)[:, None, :]
+        return f.cos(), f.sin()
+
+    def forward(self, input_ids, positions):
+        x = self.embed(input_ids)
+        cos, sin = self.angles(positions)
+        for layer in self.layers[:self.replay_from]:
+            x = layer(x, cos, sin)
+        return (self.norm(self.tail(x, positions)),)
+
+    def replay_layers(self, x, p):
+        for layer in self.layers[self.replay_from:]:
+            x = layer(x, *self.angles(p))
+        return x
+
+
+class OnePair(Model):
+    def tail(self, x, positions):
+        x, p = replay_begin(x, positions, window=W)
+        (x,) = replay_end(self.replay_layers(x, p))
+        return x
+
+
+class TwoPairs(Model):  # the markers inside the loop over the replay layers
+    def tail(self, x, positions):
+        for layer in self.layers[self.replay_from:]:
+            x, p = replay_begin(x, positions, window=W)
+            (x,) = replay_end(layer(x, *self.angles(p)))
+        return x
+
+
+class MeanAfter(Model):  # mixes the rows the region returns, which a trim leaves unwritten
+    def tail(self, x, positions):
+        x = OnePair.tail(self, x, positions)
+        return x - x.mean(0)
+
+
+class AttentionAfter(Model):  # window layers after replay_end read every row of the region's output
+    def __init__(self) -> None:
+        super().__init__("wfwww")
+
+    def tail(self, x, positions):
+        first, *rest = self.layers[self.replay_from:]
+        x, p = replay_begin(x, positions, window=W)
+        (x,) = replay_end(first(x, *self.angles(p)))
+        for layer in rest:
+            x = layer(x, *self.angles(positions))
+        return x
+
+
+def serve_against_eager(make, steps=STEPS, options=None):
+    """Serve ``make()`` compiled and its weights eagerly, step by step; returns the
+    compiled model and how many steps trimmed."""
+    torch._dynamo.reset()
+    model = make().eval()
+    oracle = OwnServer(model, gqa_cache)
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options={**OPTS, **(options or {})})
+    server = OwnServer(model, gqa_cache, compiled)
+    server.serve()
+    trims = 0
+    for step in steps:
+        want, _ = oracle.step(step)
+        got, result = server.step(step)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{step}: logits: {m}")
+        for (layer, kv, a), (_, _, b) in zip(server.written(step), oracle.written(step)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{step}: {kv} of layer {layer}: {m}")
+        trims += bool(result.trimmed)
+    return compiled, trims
+
+
+def test_one_pair_trims_and_matches():
+    _, trims = serve_against_eager(OnePair)
+    assert trims >= 2
+
+
+def test_two_marker_pairs_run_as_the_eager_model_marks_them():
+    """Each pair's layers read the replay layers' view, as the uncompiled markers point
+    them: the region left in the main graph keeps the floor there."""
+    before = counters.fallbacks["replay_region_unsupported"]
+    compiled, trims = serve_against_eager(TwoPairs)
+    assert trims == 0 and "marked once" in plan_of(compiled).replay_off_reason
+    assert counters.fallbacks["replay_region_unsupported"] == before + 1
+
+
+@pytest.mark.parametrize("make, why", [
+    (MeanAfter, r"after replay_end.*not row-local"),
+    (AttentionAfter, r"attention op .* after replay_end"),
+], ids=["mean", "attention"])
+def test_rows_mixed_after_the_region_keep_it_in_the_main_graph(make, why):
+    """After a trim the region's output holds the kept rows only: what follows
+    replay_end must read each row alone, or no step may trim."""
+    compiled, trims = serve_against_eager(make)
+    assert trims == 0
+    assert plan_of(compiled).replay_off_reason is not None
+    import re
+    assert re.search(why, plan_of(compiled).replay_off_reason), plan_of(compiled).replay_off_reason
+
+
+class BeginOnly(Model):  # replay_end forgotten
+    def tail(self, x, positions):
+        x, p = replay_begin(x, positions, window=W)
+        return self.replay_layers(x, p)
+
+
+class EndFirst(Model):
+    def tail(self, x, positions):
+        (x,) = replay_end(x)
+        x, p = replay_begin(x, positions, window=W)
+        return self.replay_layers(x, p)
+
+
+@pytest.mark.parametrize("make, why", [
+    (BeginOnly, r"replay_begin at \w+ has no replay_end after it in this graph"),
+    (EndFirst, r"replay_end at \w+ has no replay_begin before it in this graph"),
+], ids=["begin only", "end first"])
+def test_markers_that_do_not_pair_up_are_refused_before_serving(make, why):
+    """Which layers read the floor would depend on graphs the backend cannot see (a
+    graph break between the markers gives each graph half a pair)."""
+    with pytest.raises(Exception, match=why) as info:
+        serve_against_eager(make)
+    assert "graph_breaks" in str(info.value)
