@@ -24,6 +24,7 @@ from .dispatch.region_attention import RegionAttention
 from .dispatch.trim_op import ReplayRuntime
 from .lifecycle import Lifecycle
 from .ops import BEGIN, END, TRIM
+from .passes.common import node_value
 from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, marked_window, replay_spans
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
@@ -52,6 +53,7 @@ class Traced:
     int_inputs: list[int]  # other symbolic ints: Python ints of the call, passed afresh each step
     names: tuple[str, ...]  # each input's placeholder name, for messages
     use_cuda: bool  # graphs on CUDA (else emulated on the CPU)
+    token_outputs: tuple[bool, ...] | None  # for each output, whether its first dimension is the token count
 
     @property
     def token_sizes(self) -> list:
@@ -125,7 +127,8 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     return CompiledReplayModel(split, cfg, plan, main_level, parts.runtime if parts else None, traced.token_inputs,
                                traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir,
                                dp_group=dp_group, full_sizes=full_sizes, number_inputs=numbers,
-                               int_inputs=tuple(traced.int_inputs), input_names=traced.names)
+                               int_inputs=tuple(traced.int_inputs), input_names=traced.names,
+                               token_outputs=traced.token_outputs)
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:
@@ -154,7 +157,12 @@ def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Trac
             (syms if any(compat_dynamo.same_size(x, c) for c in counts) else ints).append(i)
     use_cuda = cfg.graphs_enabled and bool(tokens) and any(
         isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
-    return Traced(fake_mode, fake_inputs, tokens, syms, ints, names, use_cuda)
+    out = gm.graph.output_node().args[0]  # Dynamo's graphs return a tuple; a graph built by hand may not
+    token_outputs = None if not isinstance(out, (tuple, list)) else tuple(
+        isinstance(v, torch.Tensor) and v.dim() > 0 and bool(counts) and compat_dynamo.is_symint(v.shape[0])
+        and compat_dynamo.same_size(v.shape[0], counts[0])
+        for v in (node_value(n) if isinstance(n, fx.Node) else n for n in out))
+    return Traced(fake_mode, fake_inputs, tokens, syms, ints, names, use_cuda, token_outputs)
 
 
 def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphResources

@@ -160,3 +160,57 @@ def test_markers_that_do_not_pair_up_are_refused_before_serving(make, why):
     with pytest.raises(Exception, match=why) as info:
         serve_against_eager(make)
     assert "graph_breaks" in str(info.value)
+
+
+class WithAux(OnePair):
+    """A second output not indexed by token: a matrix, or a 0-dim tensor."""
+
+    kind = "matrix"
+
+    def forward(self, input_ids, positions):
+        (h,) = super().forward(input_ids, positions)
+        return h, (self.head.weight * 2.0 if self.kind == "matrix" else self.norm.weight.sum())
+
+
+@pytest.mark.parametrize("kind", ["matrix", "0-dim"])
+def test_outputs_not_indexed_by_token_come_back_whole(kind):
+    """Only the token-indexed outputs are cut to the step's real rows."""
+    torch._dynamo.reset()
+    model = type("Aux", (WithAux,), {"kind": kind})().eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTS)
+    server = OwnServer(model, gqa_cache, compiled)
+    server.serve()
+    for step in STEPS[:3]:  # graphed steps, a trimming one and a lone decode among them
+        batch = compiled.build_batch(step, [server.default_tokens(r) for r in step],
+                                     [server.block(r.req_id) for r in step])
+        with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
+            got = compiled(batch.input_ids, batch.positions)[1]
+            want = model(batch.input_ids, batch.positions)[1]
+        torch.testing.assert_close(got, want)
+
+
+class BreakBefore(OnePair):  # a graph break ahead of the region: two graphs, the first's outputs the second's inputs
+    def tail(self, x, positions):
+        torch._dynamo.graph_break()
+        return super().tail(x, positions)
+
+
+def test_a_graph_break_serves_without_recompiling():
+    """The first graph's outputs reach the second as its inputs: an eager step's and a
+    graphed step's must look alike to the second's guards (no view of padded rows)."""
+    torch._dynamo.reset()
+    model = BreakBefore().eval()
+    fn = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTS)
+    oracle, server = OwnServer(model, gqa_cache), OwnServer(model, gqa_cache)
+    batch = server.setup.dummy_batch(W)
+    with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch, use_graphs=False)):
+        fn(batch.input_ids, batch.positions)
+    backend = replay_backend.backend_of(fn)
+    backend.capture(server.setup)
+    backend.start_serving()
+    for step in STEPS:
+        b = backend.build_batch(step, [server.default_tokens(r) for r in step], [server.block(r.req_id) for r in step])
+        with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(b)):
+            (hidden,) = fn(b.input_ids, b.positions)
+        want, _ = oracle.step(step)
+        torch.testing.assert_close(model.head(hidden[b.logits_indices]), want, rtol=1e-5, atol=1e-5)
