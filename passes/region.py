@@ -28,6 +28,9 @@ class ExtractedRegion:
     num_row_inputs: int
     num_outputs: int
     window: int | None
+    # The constants (region inputs after the rows) the main graph computes, rather than
+    # takes as graph inputs: their addresses may change from step to step.
+    computed_consts: tuple[int, ...] = ()
 
 
 class MarkerError(ValueError):
@@ -234,4 +237,5 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> Ext
     g.erase_node(begin)
     g.lint()
     gm.recompile()
-    return ExtractedRegion(region, len(row_inputs), len(end_inputs), window)
+    computed = tuple(i for i, x in enumerate(consts) if x.op not in ("placeholder", "get_attr"))
+    return ExtractedRegion(region, len(row_inputs), len(end_inputs), window, computed)

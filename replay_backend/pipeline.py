@@ -220,7 +220,7 @@ def _region_parts(region: ExtractedRegion, cfg: ReplayConfig, splitting, main_si
     below = [s for s in main_sizes if s < cfg.decoder_replay_trim_threshold] \
         if cfg.cudagraph_decoder_replay else main_sizes
     level = GraphLevel("replay", [*sizes, *below])  # sorted and deduplicated there
-    runtime = ReplayRuntime(split, cfg, region.window, level, sizes, res, main_sizes)
+    runtime = ReplayRuntime(split, cfg, region.window, level, sizes, res, main_sizes, region.computed_consts)
     return RegionParts(split, infos, level, runtime, sizes)
 
 

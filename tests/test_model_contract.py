@@ -214,3 +214,18 @@ def test_a_graph_break_serves_without_recompiling():
             (hidden,) = fn(b.input_ids, b.positions)
         want, _ = oracle.step(step)
         torch.testing.assert_close(model.head(hidden[b.logits_indices]), want, rtol=1e-5, atol=1e-5)
+
+
+class ScaleOutside(Model):  # the region reads a tensor the main layers compute from a weight
+    def tail(self, x, positions):
+        scale = self.norm.weight * 2.0
+        x, p = replay_begin(x, positions, window=W)
+        (x,) = replay_end(self.replay_layers(x * scale, p))
+        return x
+
+
+def test_a_tensor_the_main_layers_compute_for_the_region_is_held_for_its_graphs():
+    """Its address changes from step to step (a new allocation, another graph's pool):
+    the trim op copies it where the replay graphs read it."""
+    _, trims = serve_against_eager(ScaleOutside)
+    assert trims >= 2

@@ -33,7 +33,8 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 class ReplayRuntime:
     def __init__(self, region: nn.Module, cfg: ReplayConfig, window: int, level: GraphLevel,
-                 replay_sizes: list[int], res: GraphResources, main_sizes: list[int] | None = None) -> None:
+                 replay_sizes: list[int], res: GraphResources, main_sizes: list[int] | None = None,
+                 computed_consts: tuple[int, ...] = ()) -> None:
         self.region, self.cfg, self.window = region, cfg, window
         self.level, self.res = level, res
         self.replay_sizes = sorted(replay_sizes)  # sizes a trimmed step pads to (ascending)
@@ -47,6 +48,10 @@ class ReplayRuntime:
         self.buffers: list[torch.Tensor] | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
         self.consts: list[torch.Tensor] | None = None
+        # The constants the main layers compute each step, held where the region's graphs
+        # read them: a new allocation or another graph's pool moves them between steps.
+        self.computed_consts = computed_consts
+        self._held: dict[int, torch.Tensor] | None = None
         self.metadata = None  # the serving backend's MetadataBuffer (use_metadata_buffer)
         threshold = cfg.decoder_replay_trim_threshold if cfg.cudagraph_decoder_replay else None
         # What each step's decision reads (decide.py); io_pairs grow as capture makes them.
@@ -66,6 +71,15 @@ class ReplayRuntime:
                 if self.metadata is not None:
                     self.io.adopt(self.metadata)
         return self.buffers
+
+    def _hold(self, consts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.computed_consts:
+            return consts
+        if self._held is None:
+            self._held = {i: torch.empty_like(consts[i]) for i in self.computed_consts}
+        for i, held in self._held.items():
+            held.copy_(consts[i])
+        return [self._held.get(i, c) for i, c in enumerate(consts)]
 
     def use_metadata_buffer(self, metadata) -> None:
         """Served steps' replay count and rows will be at the head of ``metadata`` (the
@@ -103,7 +117,7 @@ class ReplayRuntime:
         plan = ctx.plan
         batch = ctx.batch
         rep = batch.replay
-        self.consts = consts
+        self.consts = consts = self._hold(consts)
         if self.buffers is None and self.sizes.region:
             self._static_inputs(rows)
         size = plan.replay_padded
