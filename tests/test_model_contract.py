@@ -229,3 +229,18 @@ def test_a_tensor_the_main_layers_compute_for_the_region_is_held_for_its_graphs(
     the trim op copies it where the replay graphs read it."""
     _, trims = serve_against_eager(ScaleOutside)
     assert trims >= 2
+
+
+class BeginShorter(Model):  # the region's rows one fewer than the step's: its shapes guard on the count
+    def tail(self, x, positions):
+        x2, p = replay_begin(x[1:], positions[1:], window=W)
+        (y,) = replay_end(self.replay_layers(x2, p))
+        return torch.cat((x[:1], y))
+
+
+def test_a_guard_failing_at_two_tokens_blames_a_one_token_trace_only_after_one():
+    """Traced on W tokens, a guard that holds at one token and fails at two was not
+    made by a trace on one token: the error must not send the user there."""
+    with pytest.raises(Exception, match="fails at 2 tokens") as info:
+        serve_against_eager(BeginShorter)
+    assert "traced on a call of one token" not in str(info.value)

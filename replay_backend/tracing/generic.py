@@ -64,6 +64,8 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
                  "call through Dynamo recompiles")
         return
     one_only = []
+    traced = shapes.traced_values(env)
+    traced_on_one = any(traced.get(s) == 1 for s in syms)
     for guard in shapes.token_guards(env, syms, shapes.symbols_of(env, int_sizes) - syms):
         try:
             bad = next((n for n in range(2, max_tokens + 1) if not guard.holds(n)), None)
@@ -71,7 +73,7 @@ def admit_every_token_count(fake_mode, token_sizes: list, max_tokens: int,
             raise TokenCountError(_message(guard.text, guard.where, f"it cannot be checked per count ({e})")) from None
         if bad is not None:
             raise TokenCountError(_message(guard.text, guard.where, f"it fails at {bad} tokens")
-                                  + (ONE_TOKEN_ONLY if bad == 2 and guard.holds(1) else ""))
+                                  + (ONE_TOKEN_ONLY if bad == 2 and guard.holds(1) and traced_on_one else ""))
         if not guard.holds(1):
             one_only.append(guard.index)
     for s in syms:
