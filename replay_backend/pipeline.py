@@ -39,7 +39,9 @@ STATIC_TRACE = (
     "to its graphs, and the next step's count would recompile. Trace it dynamic in the token count: "
     "replay_backend.compile(model, token_args, options=...) (which also serves one-token steps directly), "
     "torch.compile(model, backend='dsv41_replay', dynamic=True) with a first step of at least 2 tokens, or "
-    "replay_backend.mark_token_dims(input_ids, positions, ...) before the first call")
+    "replay_backend.mark_token_dims(input_ids, positions, ...) before the first call. Traced that way, the model "
+    "itself fixed the count: an op that needs it as a number (unbind or a Python loop over the token rows, "
+    "say) specialized it; TORCH_LOGS=+dynamic names the line")
 
 
 @dataclass(frozen=True)

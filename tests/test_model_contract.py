@@ -244,3 +244,18 @@ def test_a_guard_failing_at_two_tokens_blames_a_one_token_trace_only_after_one()
     with pytest.raises(Exception, match="fails at 2 tokens") as info:
         serve_against_eager(BeginShorter)
     assert "traced on a call of one token" not in str(info.value)
+
+
+class UnbindRows(Model):  # a Python loop over the token rows fixes the count in the trace
+    def tail(self, x, positions):
+        x, p = replay_begin(x, positions, window=W)
+        x = torch.stack([r * 2 for r in x.unbind(0)])
+        (x,) = replay_end(self.replay_layers(x, p))
+        return x
+
+
+def test_a_model_that_fixes_the_token_count_is_told_so_under_compile():
+    """Traced dynamic by replay_backend.compile, the count was fixed by the model's own
+    code: the error must say that, not only how to trace dynamic."""
+    with pytest.raises(Exception, match=r"static token count.*the model itself fixed the count.*unbind"):
+        serve_against_eager(UnbindRows)
