@@ -16,7 +16,7 @@ from torch import fx
 
 from ..ops import BEGIN, END, TRIM
 from .common import op_name, is_op, node_value
-from .row_local import row_mixing, symbols
+from .row_local import declared_row_local, row_mixing, symbols
 
 class ReplayRegionError(ValueError):
     """The graph's replay region cannot be extracted; the message says why."""
@@ -90,6 +90,17 @@ def marked_window(gm: fx.GraphModule) -> int | None:
     return begin.args[1] if len(begin.args) > 1 else begin.kwargs.get("window")
 
 
+def _computed(gm: fx.GraphModule, x: fx.Node) -> bool:
+    """Whether the main graph computes ``x`` into memory of its own, whose address may
+    change from step to step: not a graph input, nor a view of one (a weight's slice or
+    transpose keeps the weight's memory)."""
+    if x.op in ("placeholder", "get_attr"):
+        return False
+    v = node_value(x)
+    return not any(isinstance(w := node_value(n), torch.Tensor) and torch._C._is_alias_of(v, w)
+                   for n in gm.graph.nodes if n.op in ("placeholder", "get_attr"))
+
+
 def _check_after_end(gm: fx.GraphModule, end: fx.Node, allowed_ops, token_syms: set, row_counts: set) -> None:
     """What reads the region's results after ``replay_end`` reads each row alone: after
     a trim only the kept rows hold results, and the caller reads only those."""
@@ -100,10 +111,11 @@ def _check_after_end(gm: fx.GraphModule, end: fx.Node, allowed_ops, token_syms: 
         after.add(node)
         if node.op == "output":
             continue
-        if is_op(node, allowed_ops):
-            raise ReplayRegionError(f"attention op {op_name(node.target)} at {node.name} runs after replay_end on "
-                                    "the region's results, whose rows a trim leaves unwritten but the kept ones: "
-                                    "every attention layer from the first replay layer on goes inside the region")
+        if is_op(node, allowed_ops) and not declared_row_local(node.target):
+            raise ReplayRegionError(f"{op_name(node.target)} at {node.name} (a splitting op: attention, or an op not "
+                                    "declared row-local) runs after replay_end on the region's results, whose rows a "
+                                    "trim leaves unwritten but the kept ones: every attention layer from the first "
+                                    "replay layer on goes inside the region")
         why = row_mixing(node, token_syms, row_counts)
         if why is not None:
             raise ReplayRegionError(f"after replay_end, the region's results are not row-local: {why} (after a "
@@ -237,5 +249,5 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> Ext
     g.erase_node(begin)
     g.lint()
     gm.recompile()
-    computed = tuple(i for i, x in enumerate(consts) if x.op not in ("placeholder", "get_attr"))
+    computed = tuple(i for i, x in enumerate(consts) if _computed(gm, x))
     return ExtractedRegion(region, len(row_inputs), len(end_inputs), window, computed)

@@ -6,6 +6,8 @@ crash inside the passes, and never other numbers than the eager model's.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -125,7 +127,7 @@ def test_two_marker_pairs_run_as_the_eager_model_marks_them():
 
 @pytest.mark.parametrize("make, why", [
     (MeanAfter, r"after replay_end.*not row-local"),
-    (AttentionAfter, r"attention op .* after replay_end"),
+    (AttentionAfter, r"window_attention at .* runs after replay_end"),
 ], ids=["mean", "attention"])
 def test_rows_mixed_after_the_region_keep_it_in_the_main_graph(make, why):
     """After a trim the region's output holds the kept rows only: what follows
@@ -133,7 +135,6 @@ def test_rows_mixed_after_the_region_keep_it_in_the_main_graph(make, why):
     compiled, trims = serve_against_eager(make)
     assert trims == 0
     assert plan_of(compiled).replay_off_reason is not None
-    import re
     assert re.search(why, plan_of(compiled).replay_off_reason), plan_of(compiled).replay_off_reason
 
 
@@ -259,3 +260,60 @@ def test_a_model_that_fixes_the_token_count_is_told_so_under_compile():
     code: the error must say that, not only how to trace dynamic."""
     with pytest.raises(Exception, match=r"static token count.*the model itself fixed the count.*unbind"):
         serve_against_eager(UnbindRows)
+
+
+class WeightView(Model):  # a weight's transpose made before the region: the weight's own memory
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(16, 16) * 0.1)
+
+    def tail(self, x, positions):
+        wt = self.proj.t()
+        x, p = replay_begin(x, positions, window=W)
+        (x,) = replay_end(self.replay_layers(x @ wt, p))
+        return x
+
+
+class GappedComputed(Model):  # computed before the region, then sliced: strides with gaps
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.randn(16, 32) * 0.1)
+
+    def tail(self, x, positions):
+        w = (self.big * 2.0)[:, :16]
+        x, p = replay_begin(x, positions, window=W)
+        (x,) = replay_end(self.replay_layers(x @ w, p))
+        return x
+
+
+def test_a_view_of_a_weight_is_read_where_it_is_not_copied():
+    compiled, trims = serve_against_eager(WeightView)
+    assert trims >= 2 and compiled.backend.model.replay.computed_consts == ()
+
+
+def test_a_held_constant_keeps_the_strides_the_region_was_compiled_for():
+    """Inductor's pieces check their inputs' strides: the held copy has the traced ones."""
+    compiled, trims = serve_against_eager(GappedComputed, steps=STEPS[:2], options={"compiler": "inductor"})
+    assert trims >= 1 and compiled.backend.model.replay.computed_consts == (0,)
+
+
+@torch.library.custom_op("contract::rowwise_hook", mutates_args=("out",))
+def rowwise_hook(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * 2.0)
+
+
+replay_backend.declare_row_local(rowwise_hook)
+
+
+class HookAfter(OnePair):  # a row-local custom op after replay_end, kept eager as a splitting op
+    def tail(self, x, positions):
+        x = super().tail(x, positions)
+        out = torch.empty_like(x)
+        rowwise_hook(x, out)
+        return out
+
+
+def test_a_row_local_splitting_op_after_the_region_lets_it_trim():
+    _, trims = serve_against_eager(HookAfter, options={
+        "splitting_ops": ["gqa_rope::window_attention", "gqa_rope::full_attention", "contract::rowwise_hook"]})
+    assert trims >= 2

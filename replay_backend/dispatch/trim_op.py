@@ -65,18 +65,23 @@ class ReplayRuntime:
     def _static_inputs(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.buffers is None:
             n = max(self.level.sizes)
-            self.buffers = [torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in rows]
-            if self.trim_main_sizes:
-                self.io = TrimIO(n, max(self.trim_main_sizes), rows[0].device, self.res)
-                if self.metadata is not None:
-                    self.io.adopt(self.metadata)
+            # Made in the first step, read and written by every later one, in inference
+            # mode or out of it: ordinary tensors either way.
+            with torch.inference_mode(False):
+                self.buffers = [torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in rows]
+                if self.trim_main_sizes:
+                    self.io = TrimIO(n, max(self.trim_main_sizes), rows[0].device, self.res)
+            if self.io is not None and self.metadata is not None:
+                self.io.adopt(self.metadata)
         return self.buffers
 
     def _hold(self, consts: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self.computed_consts:
             return consts
-        if self._held is None:
-            self._held = {i: torch.empty_like(consts[i]) for i in self.computed_consts}
+        if self._held is None:  # the traced strides, which the region's compiled pieces expect
+            with torch.inference_mode(False):  # written by steps in and out of inference mode
+                self._held = {i: torch.empty_strided(consts[i].shape, consts[i].stride(), dtype=consts[i].dtype,
+                                                     device=consts[i].device) for i in self.computed_consts}
         for i, held in self._held.items():
             held.copy_(consts[i])
         return [self._held.get(i, c) for i, c in enumerate(consts)]
