@@ -90,15 +90,14 @@ def marked_window(gm: fx.GraphModule) -> int | None:
     return begin.args[1] if len(begin.args) > 1 else begin.kwargs.get("window")
 
 
-def _computed(gm: fx.GraphModule, x: fx.Node) -> bool:
+def _computed(x: fx.Node, graph_inputs: list[torch.Tensor]) -> bool:
     """Whether the main graph computes ``x`` into memory of its own, whose address may
-    change from step to step: not a graph input, nor a view of one (a weight's slice or
-    transpose keeps the weight's memory)."""
+    change from step to step: not a graph input, nor a view of one of ``graph_inputs``
+    (a weight's slice or transpose keeps the weight's memory)."""
     if x.op in ("placeholder", "get_attr"):
         return False
     v = node_value(x)
-    return not any(isinstance(w := node_value(n), torch.Tensor) and torch._C._is_alias_of(v, w)
-                   for n in gm.graph.nodes if n.op in ("placeholder", "get_attr"))
+    return not any(torch._C._is_alias_of(v, w) for w in graph_inputs)
 
 
 def _check_after_end(gm: fx.GraphModule, end: fx.Node, allowed_ops, token_syms: set, row_counts: set) -> None:
@@ -249,5 +248,7 @@ def extract_replay_region(gm: fx.GraphModule, allowed_ops, forbidden_ops) -> Ext
     g.erase_node(begin)
     g.lint()
     gm.recompile()
-    computed = tuple(i for i, x in enumerate(consts) if _computed(gm, x))
+    inputs = [v for n in g.nodes
+              if n.op in ("placeholder", "get_attr") and isinstance(v := node_value(n), torch.Tensor)]
+    computed = tuple(i for i, x in enumerate(consts) if _computed(x, inputs))
     return ExtractedRegion(region, len(row_inputs), len(end_inputs), window, computed)
