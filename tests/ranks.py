@@ -39,8 +39,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, collective_timeout:
     """``fn(rank, world, *args)`` on ``world`` ranks of one ``backend`` group (gloo on the
     CPU; nccl: one GPU per rank; ``fn`` must be a
     module-level function); returns each rank's result. A rank that raised fails with
-    the first rank's traceback, that rank named; ranks still running after ``timeout``
-    seconds are killed and named."""
+    the first rank's traceback, that rank named; a rank that died without a result (a
+    crash in native code) is named with its exit code; ranks still running after
+    ``timeout`` seconds are killed and named."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
@@ -50,16 +51,21 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, collective_timeout:
             p.start()
         deadline = time.monotonic() + timeout
         done = lambda: [os.path.exists(os.path.join(tmp, f"{r}.pt")) for r in range(world)]  # noqa: E731
-        while not all(done()) and time.monotonic() < deadline:
+        # Until every rank has its result, or every rank without one has died (a crash
+        # in native code writes nothing).
+        while time.monotonic() < deadline and any(not d and p.is_alive() for d, p in zip(done(), procs)):
             time.sleep(0.2)
         for p in procs:  # a rank past its result only tears down: a moment, then killed
             p.join(max(1.0, min(10.0, deadline - time.monotonic())))
-        hung = [r for r, p in enumerate(procs) if not done()[r]]
+        died = [(r, p.exitcode) for r, p in enumerate(procs) if not done()[r] and p.exitcode is not None]
+        hung = [r for r, p in enumerate(procs) if not done()[r] and p.exitcode is None]
         for p in procs:
             if p.is_alive():
                 p.kill()
         results = [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) if done()[r] else None
                    for r in range(world)]
+    if died:  # the likely cause: its peers fail in the collectives it left
+        raise AssertionError("; ".join(f"rank {r} died without a result (exit code {code})" for r, code in died))
     errors = [(r, res["error"]) for r, res in enumerate(results) if res is not None and "error" in res]
     if errors:
         # The first to raise is the cause; the others fail in a collective it left.

@@ -580,6 +580,41 @@ def test_groups_of_one_rank_run_their_collectives_too(how):
     check_one_rank(graphs, steps)
 
 
+def _eager_collectives(rank: int, world: int) -> list:
+    """Each collective called eagerly, and the DEP exchange op's eager result fed to a
+    kernel of Inductor's (compiled on this CPU), which reads its input's pointer
+    directly: a result with no storage of its own crashes it."""
+    from replay_backend.compat import collectives
+    from replay_backend.reference.parallel import dep_moe
+
+    group = dist.group.WORLD.group_name
+    x = torch.arange(12.0).reshape(4, 3)
+    outs = [collectives.all_reduce_sum(x, group), collectives.all_gather_rows(x, group),
+            collectives.reduce_scatter_rows(x, group)]
+    gen = torch.Generator().manual_seed(0)
+    h, e, inter = 8, 4, 4
+    w = [torch.randn(s, generator=gen) for s in ((e, h), (e, 2 * inter, h), (e, h, inter))]
+
+    def after_exchange(rows):
+        return (dep_moe(rows, *w, 0, 2, group) * 2 + 1).sum(-1)
+
+    rows = torch.randn(6, h, generator=gen)
+    compiled = torch.compile(after_exchange, backend="inductor", fullgraph=True)(rows)
+    return [(type(o) is torch.Tensor, o.data_ptr() != 0, torch.equal(o, x)) for o in outs] + \
+        [max_abs_err(compiled, after_exchange(rows))]
+
+
+def test_collectives_called_eagerly_return_tensors_that_kernels_can_read():
+    """An eager functional collective returns a wrapper that waits when a torch op reads
+    it, with no storage of its own (pointer 0). Returned as is from the DEP exchange op,
+    which Inductor's pieces call eagerly, it reached a generated kernel that read address
+    0: an illegal memory access on the GPU, a crash on the CPU. Every collective's result
+    is now an ordinary tensor."""
+    *outs, err = run_ranks(_eager_collectives, 1, timeout=200)[0]
+    assert outs == [(True, True, True)] * 3
+    assert err < 1e-5
+
+
 def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
     """One all-reduce (max) of eight numbers: no graphs if any rank has none, the largest
     token count and replay rows, trimming if any rank has rows to trim, no FULL graph
