@@ -25,6 +25,7 @@ from .dispatch.trim_op import ReplayRuntime
 from .lifecycle import Lifecycle
 from .ops import BEGIN, END, TRIM
 from .passes.common import node_value
+from .passes.floats import float_per_use
 from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, marked_window, replay_spans
 from .passes.roles import OpRole, declared_in
 from .passes.row_local import padding_unsafe
@@ -89,6 +90,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
         cfg.check_window(marked)
     cache = cache if cache is not None else PieceCache()
     before_split = inspection.on_traced(gm, cfg)  # before the region pass edits gm in place
+    float_per_use(gm)  # before any pass cuts the graph: no symbolic float crosses a cut
     traced = _traced(gm, example_inputs, cfg)
     numbers = compat_dynamo.number_inputs(gm)
     if not traced.token_inputs and (marked_window(gm) is not None or declared_in(gm, OpRole.ATTENTION)):

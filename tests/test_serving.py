@@ -483,6 +483,16 @@ def test_a_python_number_runs_in_graphs_only_at_the_value_they_hold(cls, steps, 
     assert re.search(r"\[number_changed\].*\(input \d+ \(\w*scale\w*\): 1(\.0)? -> ", caplog.text), caplog.text
 
 
+@pytest.mark.parametrize("cls, steps", NUMBER_STEPS)
+def test_a_python_number_stays_an_input_of_inductor_pieces(cls, steps):
+    """The same steps with Inductor pieces. Inductor turns a float's arithmetic into
+    tensor ops where it sees the float read from its 0-dim tensor; compiling one piece at
+    a time it once took the float for one it could not and restarted Dynamo with the
+    value baked in, so another value was a recompile, refused while serving. The float
+    stays an input of the graphs, and another value is a step without graphs."""
+    serve_numbers(cls, steps, compiler="inductor", tol=1e-4)
+
+
 class IntRegionLlama(NumberLlama):
     """A Python int argument read inside the replay layers."""
 
