@@ -491,6 +491,31 @@ def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys
     assert "| 40/2 |" in out and "| piecewise queued | build | host | full_and_piecewise queued | build | host |" in out
 
 
+def test_a_peer_that_fails_while_measured_is_one_entry_with_its_error(tmp_path, capsys, monkeypatch):
+    """The stock peer built, then failed at its first point (as torch's own compile can):
+    its one report entry carries the error, the tables of the other modes still print,
+    and the command's status says a mode failed."""
+    from replay_backend.reference.runner import StepRunner
+
+    def failing_peer(model, kw):
+        runner = StepRunner(model, **kw)
+        runner.prefill = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CantSplit: the peer's own"))
+        return runner, 0.0
+
+    monkeypatch.setattr(decode_bench, "stock_peer", failing_peer)
+    out = tmp_path / "decode.json"
+    rc = cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
+                   "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", "1",
+                   "--mixed", "24", "--prefill-isl", "64", "--steps", "1", "--runs", "1", "--warmup", "1",
+                   "--max-num-batched-tokens", "128", "--modes", "piecewise,reduce-overhead", "--out", str(out)])
+    assert rc == 1
+    runs = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in runs] == ["piecewise", "reduce-overhead"]
+    assert runs[1]["error"] == "RuntimeError: CantSplit: the peer's own" and not runs[0]["error"]
+    printed = capsys.readouterr().out
+    assert "| 40/1 | " in printed and "| reduce-overhead | 0 | RuntimeError: CantSplit" in printed
+
+
 def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):
     """Its last layer a KV source: no replay layer, no region, nothing to time per trim."""
     out = tmp_path / "bench.json"

@@ -241,12 +241,14 @@ def run_decode_bench(args) -> dict:
     _measure(ours, args)
     ours.clear()
     if PEER in args.modes:
+        run = DecodeRun(PEER)
         try:
             peer = _build(PEER, model, kw, args, cache)
-            runs.append(peer.run)
+            run = peer.run
             _measure([peer], args)
-        except Exception as e:  # noqa: BLE001
-            runs.append(DecodeRun(PEER, error=f"{type(e).__name__}: {e}"[:500]))
+        except Exception as e:  # noqa: BLE001 - the peer's own failure is its entry, with what it measured
+            run.error = f"{type(e).__name__}: {e}"[:500]
+        runs.append(run)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "results": [asdict(r) for r in runs]}

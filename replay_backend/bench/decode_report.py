@@ -20,7 +20,7 @@ def render(report: dict) -> str:
         cells = []
         for r in res:
             ms, floor = r["tpot_ms"].get(point), r["floor_ms"].get(point)
-            cells.append(f"{ms:.2f}" + (f" ({floor:.2f}, {ms / floor:.2f}x)" if ms and floor else ""))
+            cells.append("-" if ms is None else f"{ms:.2f}" + (f" ({floor:.2f}, {ms / floor:.2f}x)" if floor else ""))
         gain = (f"{base['tpot_ms'][point] / full['tpot_ms'][point]:.2f}x" if base and full
                 and point in full["tpot_ms"] else "")
         lines.append(f"| {point} | " + " | ".join(cells) + f" | {gain} |")
