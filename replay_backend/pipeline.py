@@ -56,7 +56,7 @@ class Traced:
     int_inputs: list[int]  # other symbolic ints: Python ints of the call, passed afresh each step
     names: tuple[str, ...]  # each input's placeholder name, for messages
     use_cuda: bool  # graphs on CUDA (else emulated on the CPU)
-    token_outputs: tuple[bool, ...] | None  # for each output, whether its first dimension is the token count
+    token_outputs: tuple[tuple[int, ...], ...] | None  # for each output, the dimensions the token count sizes
 
     @property
     def token_sizes(self) -> list:
@@ -163,8 +163,8 @@ def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Trac
         isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in fake_inputs)
     out = gm.graph.output_node().args[0]  # Dynamo's graphs return a tuple; a graph built by hand may not
     token_outputs = None if not isinstance(out, (tuple, list)) else tuple(
-        isinstance(v, torch.Tensor) and v.dim() > 0 and bool(counts) and compat_dynamo.is_symint(v.shape[0])
-        and compat_dynamo.same_size(v.shape[0], counts[0])
+        tuple(d for d, size in enumerate(v.shape) if compat_dynamo.is_symint(size)
+              and compat_dynamo.same_size(size, counts[0])) if isinstance(v, torch.Tensor) and counts else ()
         for v in (node_value(n) if isinstance(n, fx.Node) else n for n in out))
     return Traced(fake_mode, fake_inputs, tokens, syms, ints, names, use_cuda, token_outputs)
 

@@ -164,18 +164,23 @@ def test_markers_that_do_not_pair_up_are_refused_before_serving(make, why):
 
 
 class WithAux(OnePair):
-    """A second output not indexed by token: a matrix, or a 0-dim tensor."""
+    """A second output: not indexed by token (a matrix, a 0-dim tensor), or indexed by
+    token in another dimension than the first (the hidden states transposed)."""
 
     kind = "matrix"
 
     def forward(self, input_ids, positions):
         (h,) = super().forward(input_ids, positions)
-        return h, (self.head.weight * 2.0 if self.kind == "matrix" else self.norm.weight.sum())
+        aux = {"matrix": lambda: self.head.weight * 2.0, "0-dim": lambda: self.norm.weight.sum(),
+               "transposed": lambda: h.t() * 2.0}[self.kind]()
+        return h, aux
 
 
-@pytest.mark.parametrize("kind", ["matrix", "0-dim"])
-def test_outputs_not_indexed_by_token_come_back_whole(kind):
-    """Only the token-indexed outputs are cut to the step's real rows."""
+@pytest.mark.parametrize("kind", ["matrix", "0-dim", "transposed"])
+def test_outputs_come_back_cut_to_the_real_tokens_in_each_token_dimension(kind):
+    """Only the token-indexed outputs are cut to the step's real rows, in every
+    dimension that the token count sizes (a trimming step computes its kept rows only:
+    those are compared where an output is indexed by token)."""
     torch._dynamo.reset()
     model = type("Aux", (WithAux,), {"kind": kind})().eval()
     compiled = replay_backend.compile(model, ("input_ids", "positions"), options=OPTS)
@@ -187,6 +192,9 @@ def test_outputs_not_indexed_by_token_come_back_whole(kind):
         with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
             got = compiled(batch.input_ids, batch.positions)[1]
             want = model(batch.input_ids, batch.positions)[1]
+        assert got.shape == want.shape
+        if kind == "transposed":
+            got, want = got[:, batch.logits_indices], want[:, batch.logits_indices]
         torch.testing.assert_close(got, want)
 
 

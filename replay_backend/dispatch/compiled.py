@@ -43,13 +43,14 @@ class CompiledReplayModel:
                  res: GraphResources, calls=None, sources=None, dump_dir: str | None = None,
                  dp_group=None, full_sizes: list[int] | None = None,
                  number_inputs: tuple[int, ...] | None = None, int_inputs: tuple[int, ...] = (),
-                 input_names: tuple[str, ...] = (), token_outputs: tuple[bool, ...] | None = None) -> None:
+                 input_names: tuple[str, ...] = (), token_outputs: tuple[tuple[int, ...], ...] | None = None) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
         self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
         self.main_level, self.replay, self.res = main_level, replay, res
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
-        self.token_outputs = token_outputs  # None: every tensor output is token-indexed
+        # Per output, the dimensions the token count sizes (None: the first of each tensor).
+        self.token_outputs = token_outputs
         # What a model without a replay region decides steps by (with one, the region's
         # runtime holds the full record).
         self.sizes = Sizes(main=tuple(main_level.sizes))
@@ -259,14 +260,13 @@ class CompiledReplayModel:
         return self._outputs(self.split_gm(*new), t, graphed=False)
 
     def _outputs(self, out, t: int, graphed: bool) -> tuple:
-        """The step's outputs: the token-indexed ones cut to the ``t`` real rows, each a
-        tensor of its own. Out of graphs, whose memory the next step overwrites, copies;
-        never a view either, which another graph of the model (past a graph break)
-        would be guarded on as a view, so that an eager step's and a graphed step's
-        outputs would recompile it."""
-        rowed = self.token_outputs or (True,) * len(out)
-        return tuple(_own(o[:t] if r and o.shape[0] != t else o, graphed) if isinstance(o, torch.Tensor) else o
-                     for o, r in zip(out, rowed))
+        """The step's outputs: the token-indexed ones cut to the ``t`` real tokens in
+        every dimension the token count sizes, each a tensor of its own. Out of graphs,
+        whose memory the next step overwrites, copies; never a view either, which
+        another graph of the model (past a graph break) would be guarded on as a view,
+        so that an eager step's and a graphed step's outputs would recompile it."""
+        dims = self.token_outputs or ((0,),) * len(out)
+        return tuple(_own(_cut(o, ds, t), graphed) if isinstance(o, torch.Tensor) else o for o, ds in zip(out, dims))
 
     # ---- capture --------------------------------------------------------------------
     def estimate_graph_memory(self, run_step_without_graphs, replay_view_for, run_full_step=None):
@@ -313,6 +313,13 @@ class CompiledReplayModel:
                                   "before serving; their steps run in pieces")
                 kept = tuple(s for s in policy.sizes if s in self.full.graphs)
                 self.use_full_policy(dataclasses.replace(policy, sizes=kept) if kept else None)
+
+
+def _cut(x: torch.Tensor, dims: tuple[int, ...], t: int) -> torch.Tensor:
+    for d in dims:
+        if d < x.dim() and x.shape[d] != t:
+            x = x.narrow(d, 0, t)
+    return x
 
 
 def _own(x: torch.Tensor, copy: bool) -> torch.Tensor:
