@@ -34,6 +34,7 @@ class Fallback(str, enum.Enum):
     TRITON_LAUNCH_LAYOUT = "triton_launch_layout"  # kernels launch through Triton's own path
     CUDAGRAPH_MODE = "cudagraph_mode"  # fewer FULL graphs than the mode asks: the attention cannot run in them
     NUMBER_CHANGED = "number_changed"  # a Python number differs from the one the graphs hold: no graphs
+    PEER_FALLBACK = "peer_fallback"  # a data-parallel peer fell back to no graphs: so does every rank
 
 
 class StrictFallbackError(RuntimeError):

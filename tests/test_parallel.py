@@ -646,6 +646,13 @@ def test_the_agreement_takes_the_largest_offer_of_each_number(monkeypatch):
     with pytest.raises(agree_mod.RankFailed, match="data-parallel rank 1 failed this step"):
         agree_mod.check_no_rank_failed(got)
     agree_mod.check_no_rank_failed(agree_mod.Agreement(True, 4, False, 4))
+    other[0] = torch.tensor([2, 4, 0, 4, 0, 0, 1, -1])  # the other rank fell back: no graphs, and said so
+    got = agree_mod.agree(object(), True, 4, False, 4, True)
+    assert not got.graphs and got.fell_back
+    agree_mod.agree(object(), False, 4, False, 4, True, fell_back=True)
+    assert sent[-1][0] == 2
+    other[0] = torch.tensor([1, 4, 0, 4, 0, 0, 1, -1])  # a step without graphs, no fallback
+    assert not agree_mod.agree(object(), True, 4, False, 4, True).fell_back
     other[0] = torch.tensor([1, 0, 0, 0, 0, 0, 2, -2])  # the other rank captures
     with pytest.raises(agree_mod.RanksApart, match="this rank runs a step while another captures graphs"):
         agree_mod.agree(object(), True, 4, False, 4, True)

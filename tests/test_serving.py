@@ -7,6 +7,7 @@ import traceback
 from types import SimpleNamespace
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import replay_backend
@@ -17,6 +18,7 @@ from replay_backend.reference.runner import StepRunner
 from replay_backend.compat.dynamo import user_error
 from replay_backend.tracing.generic import TokenCountError
 from llama_swa import LlamaServer, LlamaSWA
+from ranks import run_ranks
 
 from conftest import MAX_MODEL_LEN
 
@@ -431,12 +433,15 @@ NUMBER_STEPS = [
 ]
 
 
-def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol: float = 1e-5) -> None:
+def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol: float = 1e-5,
+                  dp_group=None, fallbacks: dict | None = None) -> None:
     """``steps`` of ``cls`` under plain ``torch.compile(dynamic=True)`` on ``device``,
     each against the eager model: its kind, whether its region ran graphs, its logits,
-    and the ``number_changed`` fallbacks counted."""
+    and the fallbacks counted (``fallbacks``; by default the ``number_changed`` ones the
+    steps say). ``dp_group``: served as one data-parallel rank of it."""
     model, oracle = cls().to(device).eval(), cls().to(device).eval()
-    compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options={**OPTIONS, "compiler": compiler})
+    compiled = torch.compile(model, backend=ReplayBackend(**{**OPTIONS, "compiler": compiler}, dp_group=dp_group),
+                             dynamic=True)
     server, eager = LlamaServer(model), LlamaServer(oracle)
     serving = []
 
@@ -459,7 +464,9 @@ def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol:
     be.start_serving()
     serving.append(True)
     oracle.load_state_dict(model.state_dict())
-    with counters.expect(strict=False, fallbacks={"number_changed": sum(counted for *_, counted in steps)}):
+    if fallbacks is None:
+        fallbacks = {"number_changed": sum(counted for *_, counted in steps)}
+    with counters.expect(strict=False, fallbacks=fallbacks):
         for k, (requests, scale, kind, region_graphs, _) in enumerate(steps):
             got, result = step(compiled, requests, scale)
             want, _ = step(oracle, requests, scale)
@@ -491,6 +498,23 @@ def test_a_python_number_stays_an_input_of_inductor_pieces(cls, steps):
     value baked in, so another value was a recompile, refused while serving. The float
     stays an input of the graphs, and another value is a step without graphs."""
     serve_numbers(cls, steps, compiler="inductor", tol=1e-4)
+
+
+def _numbers_over_ranks(rank: int, world: int) -> None:
+    """Rank 1 calls its second step with another number; rank 0 does not."""
+    scale = 0.5 if rank == 1 else 1.0
+    steps = [([RequestChunk("a", 20, 20)], 1.0, "piecewise", True, False),
+             ([RequestChunk("a", 1, 21)], scale, "eager", False, rank == 1),
+             ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True, False)]
+    fallbacks = {"number_changed": 1} if rank == 1 else {"peer_fallback": 1}
+    serve_numbers(ScaledLlama, steps, dp_group=dist.new_group([0, 1], backend="gloo"), fallbacks=fallbacks)
+
+
+def test_a_rank_that_falls_back_makes_every_rank_fall_back_counted_on_each():
+    """Data-parallel ranks run one step kind: the rank whose number changed runs its
+    step without graphs, so every rank does, and each counts it, the others as a
+    ``peer_fallback``; every step matches the eager model."""
+    run_ranks(_numbers_over_ranks, 2, timeout=240)
 
 
 class IntRegionLlama(NumberLlama):

@@ -7,7 +7,9 @@ same replay size. So before each step every rank offers its numbers and all take
 maximum of each (one all-reduce of eight integers; the last two, below, say where the
 ranks meet):
 
-* whether it must run without graphs (a warm-up step): then no rank uses graphs;
+* whether it must run without graphs (a warm-up step, or a fallback of its own for
+  this step): then no rank uses graphs, and where it was a fallback each rank that
+  would have used them counts one too;
 * its token count: every rank pads its main layers to the size that fits the largest
   rank's, a graph size, or that count itself where no graph fits (then every rank is
   eager, padded to it);
@@ -61,6 +63,7 @@ class Agreement:
     replay_rows: int  # the largest rank's replay rows
     full: bool = True  # every rank's batch may run as one FULL graph
     failed_rank: int | None = None  # a rank (the highest) that failed the step before agreeing
+    fell_back: bool = False  # some rank gave up graphs for this step as a fallback (then graphs is False)
 
 
 class Meeting(enum.IntEnum):
@@ -71,13 +74,16 @@ class Meeting(enum.IntEnum):
 
 
 def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, full: bool = False,
-          failed: bool = False, meeting: Meeting = Meeting.STEP) -> Agreement:
+          failed: bool = False, meeting: Meeting = Meeting.STEP, fell_back: bool = False) -> Agreement:
     """All-reduce (max) this rank's offer over ``group``; returns what every rank takes.
-    ``failed``: this rank raises after the agreement instead of running the step."""
+    ``failed``: this rank raises after the agreement instead of running the step;
+    ``fell_back``: this rank gives up graphs for the step as a fallback (``graphs``
+    False), which the first number says as 2, above a plain "no graphs" (1)."""
     import torch.distributed as dist
 
     me = dist.get_rank(group) + 1 if failed else 0
-    offer = torch.tensor([int(not graphs), tokens, int(trimmable), replay_rows, int(not full), me,
+    no_graphs = 2 if fell_back else int(not graphs)
+    offer = torch.tensor([no_graphs, tokens, int(trimmable), replay_rows, int(not full), me,
                           meeting, -meeting], dtype=torch.int64)
     dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=group)
     no_graphs, tokens, trimmable, rows, no_full, failed_rank, latest, neg_earliest = offer.tolist()
@@ -89,7 +95,7 @@ def agree(group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int, f
         mark_told(error)  # every rank raises it: reported again, it is no new failure
         raise error
     return Agreement(not no_graphs, int(tokens), bool(trimmable), int(rows), not no_full,
-                     int(failed_rank) - 1 if failed_rank else None)
+                     int(failed_rank) - 1 if failed_rank else None, no_graphs == 2)
 
 
 def tp_peer_failed(group, failed: bool) -> RankFailed | None:
@@ -112,7 +118,7 @@ def tp_peer_failed(group, failed: bool) -> RankFailed | None:
 
 
 def agree_step(dp_group, tp_group, graphs: bool, tokens: int, trimmable: bool, replay_rows: int,
-               full: bool) -> Agreement | None:
+               full: bool, fell_back: bool = False) -> Agreement | None:
     """The step's agreement (None without data-parallel ranks, ``dp_group`` None),
     raising :class:`RankFailed` where a rank gave the step up. ``tp_group`` (with
     ``debug_check_ranks``): the tensor-parallel ranks first say whether one gave it up,
@@ -121,7 +127,8 @@ def agree_step(dp_group, tp_group, graphs: bool, tokens: int, trimmable: bool, r
     peer_failed = tp_peer_failed(tp_group, False) if tp_group is not None else None
     agreement = None
     if dp_group is not None:
-        agreement = agree(dp_group, graphs, tokens, trimmable, replay_rows, full, failed=peer_failed is not None)
+        agreement = agree(dp_group, graphs, tokens, trimmable, replay_rows, full, failed=peer_failed is not None,
+                          fell_back=fell_back)
         if peer_failed is None:
             check_no_rank_failed(agreement)
     if peer_failed is not None:

@@ -163,8 +163,9 @@ class CompiledReplayModel:
                            "pieces: build it with the compiled model's build_batch")
             full = False
         full = full and policy.takes(batch.requests)
+        fell_back = False
         if use_graphs and self.cfg.graphs_enabled and (changed := self.inputs.changed_number(args)):
-            use_graphs = False
+            use_graphs, fell_back = False, True
             # Counted where a graph would have run; over data-parallel ranks whether one
             # would is the agreed step's, not known here.
             if self._agrees or self._plan(ctx, num_tokens, True, None, full).runs_graphs:
@@ -174,7 +175,13 @@ class CompiledReplayModel:
                                "device that you update in place")
         agreement = agree_step(self.dp_group if self._agrees else None, self.tp_group, use_graphs, num_tokens,
                                batch is not None and batch.has_trimmable_rows,
-                               batch.replay.num_rows if batch is not None else num_tokens, full)
+                               batch.replay.num_rows if batch is not None else num_tokens, full, fell_back)
+        if agreement is not None and agreement.fell_back and use_graphs and self.cfg.graphs_enabled:
+            # Counted only: every rank has the same options, so under ``strict`` the rank
+            # that fell back failed the step before the agreement, and none gets here.
+            self.res.fallback(Fallback.PEER_FALLBACK, "a data-parallel rank fell back to running this step "
+                              "without graphs (its own warning says why), so every rank runs it without graphs: "
+                              "the collectives inside the graphs would not meet")
         plan = self._plan(ctx, num_tokens, use_graphs, agreement, full)
         if self.tp_group is not None:
             check_same_plan(plan, self.tp_group)
