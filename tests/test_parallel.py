@@ -536,15 +536,41 @@ def test_ranks_with_other_options_or_models_are_refused_before_any_trace(case, m
         run_ranks(case, 2, timeout=100)
 
 
-@pytest.mark.parametrize("par, message", [
-    (Parallel(tp_size=3), "tp_size=3 does not divide num_heads=4"),
-    (Parallel(tp_size=2, tp_group=None), "tp_size=2 needs a tp_group"),
-    (Parallel(tp_size=2, tp_rank=2), r"tp_rank=2 is outside \[0, tp_size=2\)"),
-    (Parallel(tp_size=0), "tp_size must be an integer >= 1"),
+@pytest.mark.parametrize("par, cfg, message", [
+    (Parallel(tp_size=3), CFG, "tp_size=3 does not divide num_heads=4"),
+    (Parallel(tp_size=2, tp_group=None), CFG, "tp_size=2 needs a tp_group"),
+    (Parallel(tp_size=2, tp_rank=2), CFG, r"tp_rank=2 is outside \[0, tp_size=2\)"),
+    (Parallel(tp_size=0), CFG, "tp_size must be an integer >= 1"),
+    (Parallel(tp_size=4), CFG, "tp_size=4 does not divide o_groups=2"),
+    (Parallel(tp_size=2), CFG.replace(shared_intermediate_size=129),
+     "tp_size=2 does not divide shared_intermediate_size=129"),
 ])
-def test_a_split_the_model_cannot_take_is_refused_before_anything_is_built(par, message):
+def test_a_split_the_model_cannot_take_is_refused_before_anything_is_built(par, cfg, message):
     with pytest.raises(ValueError, match=message):
-        par.check(CFG)
+        par.check(cfg)
+
+
+def _checks_with_groups(rank: int, world: int) -> list[str]:
+    """What ``Parallel.check`` says of groups of the wrong size, and of experts that the
+    expert-parallel group does not divide."""
+    group = dist.group.WORLD
+    out = []
+    for par, cfg in ((Parallel(tp_size=1, tp_group=group), CFG),
+                     (Parallel(dp_size=3, dp_rank=rank, dp_group=group), CFG),
+                     (Parallel(tp_size=2, tp_rank=rank, tp_group=group), CFG.replace(num_experts=3))):
+        try:
+            par.check(cfg)
+            out.append("")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_groups_of_the_wrong_size_and_undivided_experts_are_refused_naming_the_sizes():
+    got = run_ranks(_checks_with_groups, 2, timeout=100)[0]
+    assert "tp_group has 2 ranks, tp_size is 1" in got[0]
+    assert "dp_group has 2 ranks, dp_size is 3" in got[1]
+    assert "the expert-parallel group of 2 ranks does not divide num_experts=3" in got[2]
 
 
 def serve_one_rank(rank: int, world: int, how: str, device: str, compiler: str) -> list:
