@@ -4,6 +4,9 @@ the same weights, on piecewise and eager steps, trimmed and not, uneven batches,
 ranks; the ranks' agreement; a rank that raises."""
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,6 +106,44 @@ def test_data_parallel_attention_with_expert_parallel_moe_matches_the_single_pro
 def test_tensor_and_data_parallel_together():
     per_rank = run_ranks(_serve, 4, 2, 2, True, DP_STEPS, timeout=400)
     _check_agreed(per_rank)
+
+
+def _tp_ranks_given_other_batches(rank: int, world: int) -> None:
+    tp_group, _ = _groups(rank, 2, 1)
+    model = shard(build_model(CFG), Parallel(2, rank, tp_group))
+    rc = StepRunner(model, max_model_len=256, backend=ReplayBackend(**OPTS, tp_group=tp_group, debug_check_ranks=True))
+    rc.capture()
+    rc.step([R("a", 50, 50)] if rank == 0 else [R("a", 20, 20)])
+
+
+def test_tensor_parallel_ranks_that_decide_a_step_differently_fail_under_the_rank_check():
+    """Tensor-parallel ranks hold one batch; given two, their plans differ, and with
+    ``debug_check_ranks`` every rank fails before the step's collectives, naming the
+    first difference."""
+    with pytest.raises(AssertionError, match=r"tensor-parallel ranks decided a step differently: rank 1 has "
+                                             r"step plan .*num_tokens=20.*, rank 0 has .*num_tokens=50"):
+        run_ranks(_tp_ranks_given_other_batches, 2, timeout=150)
+
+
+def _rank_1_dies(rank: int, world: int) -> None:
+    _, dp_group = _groups(rank, 1, 2)
+    model = shard(build_model(CFG), Parallel(dp_size=2, dp_rank=rank, dp_group=dp_group, enable_expert_parallel=True))
+    rc = StepRunner(model, max_model_len=256, backend=ReplayBackend(**OPTS, dp_group=dp_group))
+    rc.capture()
+    rc.step([R("a", 20, 20)])
+    if rank == 1:
+        os._exit(3)  # gone without a word: no error, no agreement
+    rc.step([R("a", 1, 21)])
+
+
+def test_a_rank_that_dies_leaves_the_others_an_error_not_a_hang():
+    """A data-parallel rank that dies between steps tells nobody; its peer's next step
+    fails in the step's agreement (the gloo connection closes) instead of waiting, and
+    the run names the rank that died."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 1 died without a result \(exit code 3\)"):
+        run_ranks(_rank_1_dies, 2, timeout=200)
+    assert time.monotonic() - start < 150
 
 
 def _raises(rank: int, world: int) -> None:
