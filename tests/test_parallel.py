@@ -101,6 +101,8 @@ def test_data_parallel_attention_with_expert_parallel_moe_matches_the_single_pro
     assert all(r.kind.value == "eager" and r.padded_tokens == 70 and r.trimmed for r in first)
     assert (first[0].replay_rows, first[1].replay_rows) == (16, 6)
     assert per_rank[1][1]["idle"] and per_rank[1][1]["result"].padded_tokens == per_rank[0][1]["result"].padded_tokens
+    kinds = {(s["result"].kind.value, s["result"].trimmed) for steps in per_rank for s in steps}
+    assert {("eager", True), ("piecewise", False), ("piecewise", True)} <= kinds, kinds
 
 
 def test_tensor_and_data_parallel_together():
