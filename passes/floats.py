@@ -7,8 +7,9 @@ reads it as a piece output. Inductor compiles a piece's floats into tensor ops o
 where it sees their source: a float among a piece's outputs or inputs it cannot, so it
 bakes the float's first value into the piece and guards it, and a call with another
 value becomes a recompile. Read again right before each use, the float is computed
-inside every piece that uses it, from the 0-dim tensor, which crosses boundaries as any
-tensor does.
+inside every graph piece that uses it, from the 0-dim tensor, which crosses boundaries
+as any tensor does. (A float an op's float argument takes, a splitting op's included,
+is one the trace has fixed to its value already: nothing of it is left to cross.)
 """
 from __future__ import annotations
 

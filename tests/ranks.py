@@ -64,9 +64,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, collective_timeout:
                 p.kill()
         results = [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) if done()[r] else None
                    for r in range(world)]
-    if died:  # the likely cause: its peers fail in the collectives it left
-        raise AssertionError("; ".join(f"rank {r} died without a result (exit code {code})" for r, code in died))
     errors = [(r, res["error"]) for r, res in enumerate(results) if res is not None and "error" in res]
+    if died:  # the likely cause, which its peers' errors follow: each one's last line
+        raise AssertionError("; ".join(f"rank {r} died without a result (exit code {code})" for r, code in died)
+                             + "".join(f"\n(rank {r} raised: {e.strip().splitlines()[-1]})" for r, e in errors))
     if errors:
         # The first to raise is the cause; the others fail in a collective it left.
         first = min(errors, key=lambda e: results[e[0]]["at"])

@@ -140,12 +140,12 @@ def _rank_1_dies(rank: int, world: int) -> None:
 
 def test_a_rank_that_dies_leaves_the_others_an_error_not_a_hang():
     """A data-parallel rank that dies between steps tells nobody; its peer's next step
-    fails in the step's agreement (the gloo connection closes) instead of waiting, and
-    the run names the rank that died."""
+    fails in the step's agreement (the gloo connection closes) long before the group's
+    timeout, and the run names the rank that died."""
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"rank 1 died without a result \(exit code 3\)"):
-        run_ranks(_rank_1_dies, 2, timeout=200)
-    assert time.monotonic() - start < 150
+    with pytest.raises(AssertionError, match=r"rank 1 died without a result \(exit code 3\)\n\(rank 0 raised: "):
+        run_ranks(_rank_1_dies, 2, timeout=300, collective_timeout=600)
+    assert time.monotonic() - start < 120
 
 
 def _raises(rank: int, world: int) -> None:

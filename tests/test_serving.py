@@ -17,6 +17,7 @@ from replay_backend.reference.compare import max_abs_err
 from replay_backend.reference.runner import StepRunner
 from replay_backend.compat.dynamo import user_error
 from replay_backend.tracing.generic import TokenCountError
+import llama_swa
 from llama_swa import LlamaServer, LlamaSWA
 from ranks import run_ranks
 
@@ -501,20 +502,75 @@ def test_a_python_number_stays_an_input_of_inductor_pieces(cls, steps):
 
 
 def _numbers_over_ranks(rank: int, world: int) -> None:
-    """Rank 1 calls its second step with another number; rank 0 does not."""
+    """Rank 1 calls its second and fourth steps with another number; rank 0 does not.
+    The fourth step is above every graph, so rank 0 loses no graph there."""
     scale = 0.5 if rank == 1 else 1.0
     steps = [([RequestChunk("a", 20, 20)], 1.0, "piecewise", True, False),
              ([RequestChunk("a", 1, 21)], scale, "eager", False, rank == 1),
-             ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True, False)]
-    fallbacks = {"number_changed": 1} if rank == 1 else {"peer_fallback": 1}
+             ([RequestChunk("a", 1, 22)], 1.0, "piecewise", True, False),
+             ([RequestChunk("k", 100, 100, keep_all=True)], scale, "eager", False, rank == 1)]
+    fallbacks = {"number_changed": 2} if rank == 1 else {"peer_fallback": 1}
     serve_numbers(ScaledLlama, steps, dp_group=dist.new_group([0, 1], backend="gloo"), fallbacks=fallbacks)
 
 
 def test_a_rank_that_falls_back_makes_every_rank_fall_back_counted_on_each():
     """Data-parallel ranks run one step kind: the rank whose number changed runs its
-    step without graphs, so every rank does, and each counts it, the others as a
-    ``peer_fallback``; every step matches the eager model."""
+    step without graphs, so every rank does, and each counts it where a graph would
+    have run, the others as a ``peer_fallback``; every step matches the eager model."""
     run_ranks(_numbers_over_ranks, 2, timeout=240)
+
+
+@torch.library.custom_op("test_serving::scaled_window_attention", mutates_args=("out",))
+def scaled_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
+                            window: int, scale: float) -> None:
+    llama_swa._attention(q, k, v, out, layer, window)
+    out.mul_(scale)
+
+
+@scaled_window_attention.register_fake
+def _(q, k, v, out, layer, window, scale):
+    return None
+
+
+replay_backend.declare_attention(scaled_window_attention)
+
+
+class AttentionScaleLlama(NumberLlama):
+    """A constant float attribute of each replay layer passed to its attention op (a
+    softmax scale, say): the trace fixes it, as any float an op's float argument takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.scale = 0.75
+
+    def replay_layer(self, layer, x):
+        q, k, v = layer.qkv(layer.attn_norm(x)).view(x.shape[0], 3, layer.heads, -1).unbind(1)
+        out = torch.empty_like(q)
+        scaled_window_attention(q, k, v, out, layer.layer, layer.window, layer.scale)
+        x = x + layer.o(out.flatten(1))
+        gate, up = layer.up(layer.mlp_norm(x)).chunk(2, dim=-1)
+        return x + layer.down(nn.functional.silu(gate) * up)
+
+    def forward(self, input_ids, positions, scale: float):
+        x = self.embed(input_ids) + self.pos(positions)
+        for layer in self.layers[:self.replay_from]:
+            x = layer(x)
+        (x,) = replay_backend.replay_begin(x, window=self.window)
+        for layer in self.layers[self.replay_from:]:
+            x = self.replay_layer(layer, x)
+        (x,) = replay_backend.replay_end(x)
+        return (self.norm(x),)
+
+
+def test_a_float_an_attention_op_takes_is_baked_in_with_inductor_pieces():
+    """A float that an op's float argument takes is fixed by the trace. Inductor's
+    pieces, each compiled on its own, once took it for a float every piece had settled,
+    and the first call failed inside Inductor; it is now baked in as the trace fixed it."""
+    steps = [([RequestChunk("a", 20, 20)], 1.0, "piecewise", True, False),
+             ([RequestChunk("a", 1, 21)], 1.0, "piecewise", True, False),
+             ([RequestChunk("c", 100, 100)], 1.0, "eager", True, False)]
+    serve_numbers(AttentionScaleLlama, steps, compiler="inductor", tol=1e-4)
 
 
 class IntRegionLlama(NumberLlama):

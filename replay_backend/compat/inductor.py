@@ -46,7 +46,8 @@ def _floats_of_this_piece_only(gm: torch.fx.GraphModule, example_inputs: list):
     a time, every piece but the one that reads the float would do so, and a call with
     another value would then be a recompile, not a step without graphs. So while this
     piece compiles, the floats it never mentions count as settled; a float it reads but
-    cannot turn into tensor ops is still specialized, by the pass, as before."""
+    cannot turn into tensor ops, or one the trace fixed, is still specialized by the
+    pass, as before."""
     state, shape_env = _tensorify_state(), _shape_env(example_inputs)
     if state is None or shape_env is None:
         yield
@@ -55,8 +56,12 @@ def _floats_of_this_piece_only(gm: torch.fx.GraphModule, example_inputs: list):
 
     mentioned = _symbols_of(gm, example_inputs)
     values = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
+    # A float the trace already fixed to its value (one passed to an op's float
+    # argument) is replaced by that value everywhere, so no piece mentions it: it is
+    # left to the pass, whose restart bakes it in as the trace did.
+    fixed = getattr(shape_env, "replacements", {})
     foreign = {str(s) for s in values if symbol_is_type(s, SymT.FLOAT) and s not in mentioned
-               and not state.should_specialize(str(s))}
+               and s not in fixed and not state.should_specialize(str(s))}
     state.force_specializations.update(foreign)
     try:
         yield

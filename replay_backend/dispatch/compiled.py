@@ -131,7 +131,9 @@ class CompiledReplayModel:
                 ctx.compiled_step = False
         self.last_plan = plan
         if self.res.lifecycle.measuring:  # what a FULL graph keeps per row (capture/memory.py)
-            self.output_row_bytes = sum(o[0].nbytes for o in out if isinstance(o, torch.Tensor) and o.dim())
+            dims = self.token_outputs or ((0,),) * len(out)
+            self.output_row_bytes = sum(o.nbytes // max(1, o.shape[ds[0]]) for o, ds in zip(out, dims)
+                                        if isinstance(o, torch.Tensor) and ds and ds[0] < o.dim())
         if plan is not None:
             self.res.lifecycle.last_plan = plan
         if self.res.lifecycle.phase is Phase.CAPTURED:
@@ -176,9 +178,11 @@ class CompiledReplayModel:
         agreement = agree_step(self.dp_group if self._agrees else None, self.tp_group, use_graphs, num_tokens,
                                batch is not None and batch.has_trimmable_rows,
                                batch.replay.num_rows if batch is not None else num_tokens, full, fell_back)
-        if agreement is not None and agreement.fell_back and use_graphs and self.cfg.graphs_enabled:
-            # Counted only: every rank has the same options, so under ``strict`` the rank
-            # that fell back failed the step before the agreement, and none gets here.
+        if agreement is not None and agreement.fell_back and use_graphs and self.cfg.graphs_enabled and \
+                self._plan(ctx, num_tokens, True, dataclasses.replace(agreement, graphs=True), full).runs_graphs:
+            # Counted where a graph would have run, and only counted: every rank has the
+            # same options, so under ``strict`` the rank that fell back failed the step
+            # before the agreement, and none gets here.
             self.res.fallback(Fallback.PEER_FALLBACK, "a data-parallel rank fell back to running this step "
                               "without graphs (its own warning says why), so every rank runs it without graphs: "
                               "the collectives inside the graphs would not meet")
