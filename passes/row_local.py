@@ -205,6 +205,18 @@ def padding_unsafe(gm: fx.GraphModule, splitting_ops) -> str | None:
     """Why padding a step of ``gm`` with dummy rows could change its real rows (a node
     that mixes rows outside the splitting ops), or None. The token symbols are those of
     the graph's inputs' first dimension."""
+    return _first_mixing(gm, set(splitting_ops) | {TRIM_OP}, frozenset())
+
+
+def reads_rows_together(gm: fx.GraphModule, splitting_ops) -> str | None:
+    """Why some value of ``gm`` depends on rows other than its own (a splitting op not
+    declared row-local, attention say, or a node that mixes rows), or None: such a graph,
+    run after another graph's replay region in one step, reads rows a trim left
+    unwritten."""
+    return _first_mixing(gm, {TRIM_OP}, frozenset(splitting_ops))
+
+
+def _first_mixing(gm: fx.GraphModule, skipped: set, mixing_ops: frozenset) -> str | None:
     syms, counts = set(), set()
     for node in gm.graph.nodes:
         v = node_value(node)
@@ -213,10 +225,12 @@ def padding_unsafe(gm: fx.GraphModule, splitting_ops) -> str | None:
             counts.add(v.shape[0].node.expr)
     if not syms:
         return None
-    skipped = set(splitting_ops) | {TRIM_OP}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and op_name(node.target) in skipped:
+        name = op_name(node.target) if node.op == "call_function" else None
+        if name in skipped:
             continue
+        if name in mixing_ops and not declared_row_local(node.target):
+            return f"{node.name} ({name}: a splitting op, attention or an op not declared row-local)"
         why = row_mixing(node, syms, counts)
         if why is not None:
             return why

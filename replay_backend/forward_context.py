@@ -9,7 +9,7 @@ its pieces and the trim op execute.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,6 +38,10 @@ class ForwardContext:
     # the replay-region runtime the trim op dispatches to.
     plan: Any = None
     replay_runtime: Any = None
+    # The replay-region runtimes of the graphs that ran this step so far (a model with
+    # graph breaks runs several), each with whether it trimmed: a later graph that reads
+    # rows together turns their trimming off (pipeline.py).
+    regions_run: list = field(default_factory=list)
     # True while a compiled model runs this context's step: the boundary markers are the
     # identity there (the backend runs the region), and point attention at the replay
     # layers' view only where the model runs uncompiled, in this context too afterwards.

@@ -22,13 +22,14 @@ from .dispatch.compiled import CompiledReplayModel
 from .dispatch.direct import CallLog
 from .dispatch.region_attention import RegionAttention
 from .dispatch.trim_op import ReplayRuntime
+from .forward_context import get_forward_context, has_forward_context
 from .lifecycle import Lifecycle
 from .ops import BEGIN, END, TRIM
 from .passes.common import node_value
 from .passes.floats import float_per_use
 from .passes.region import ExtractedRegion, ReplayRegionError, extract_replay_region, marked_window, replay_spans
 from .passes.roles import OpRole, declared_in
-from .passes.row_local import padding_unsafe
+from .passes.row_local import padding_unsafe, reads_rows_together
 from .passes.split import input_sources, live_across, split_at_ops, step_dependent_ops, unsplit_attention
 from .plan import SplitPlan
 from .tracing.generic import admit_every_token_count
@@ -106,6 +107,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
     # unless the options name the splitting ops.
     splitting = cfg.splitting_ops if cfg.splitting_ops is not None else declared_in(gm, OpRole.ATTENTION)
     _refuse_unsplit_attention_in_replay_layers(gm, splitting)
+    together = _after_regions_of_the_step(gm, splitting)
     region, off_reason = _find_region(gm, cfg, splitting, res)
     graph_sizes = _main_sizes(gm, cfg, splitting, res) if graphs else []
     main_sizes = graph_sizes if cfg.piecewise_graphs else []
@@ -132,7 +134,7 @@ def build(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig,
                                traced.sym_inputs, res, calls=calls, sources=sources, dump_dir=dump_dir,
                                dp_group=dp_group, full_sizes=full_sizes, number_inputs=numbers,
                                int_inputs=tuple(traced.int_inputs), input_names=traced.names,
-                               token_outputs=traced.token_outputs)
+                               token_outputs=traced.token_outputs, reads_rows_together=together)
 
 
 def _traced(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig) -> Traced:
@@ -184,6 +186,21 @@ def _find_region(gm: fx.GraphModule, cfg: ReplayConfig, splitting, res: GraphRes
         return None, "no replay boundary markers in the graph"
     cfg.check_window(region.window)
     return region, None
+
+
+def _after_regions_of_the_step(gm: fx.GraphModule, splitting) -> str | None:
+    """A graph built in a step after other graphs of it ran their replay regions (the
+    model has graph breaks) and that reads rows together reads their results, whose
+    rows a trim leaves unwritten but the kept ones: those regions trim no more. Returns
+    why it reads rows together, for its own steps' check (None: it reads each row alone,
+    or no region ran before it). (What follows replay_end in the region's own graph,
+    passes/region.py checks.)"""
+    regions = get_forward_context().regions_run if has_forward_context() else []
+    together = reads_rows_together(gm, splitting) if regions else None
+    if together is not None:
+        for runtime, _ in regions:
+            runtime.refuse_trim(together)
+    return together
 
 
 def _refuse_unsplit_attention_in_replay_layers(gm: fx.GraphModule, splitting) -> None:

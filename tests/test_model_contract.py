@@ -138,6 +138,69 @@ def test_rows_mixed_after_the_region_keep_it_in_the_main_graph(make, why):
     assert re.search(why, plan_of(compiled).replay_off_reason), plan_of(compiled).replay_off_reason
 
 
+# After a graph break inside ``tail`` its rest is a graph of its own: the norm's weight
+# fixes its rows' width (a graph input of free width is refused under dynamic=True).
+class BreakThenNorm(Model):  # the next graph reads each row alone
+    def tail(self, x, positions):
+        x = OnePair.tail(self, x, positions)
+        torch._dynamo.graph_break()
+        return self.norm(x * 2.0)
+
+
+class BreakThenMean(Model):  # the same row-mixing as MeanAfter, in the next graph
+    def tail(self, x, positions):
+        x = OnePair.tail(self, x, positions)
+        torch._dynamo.graph_break()
+        return self.norm(x - x.mean(0))
+
+
+class BreakThenAttention(AttentionAfter):  # the window layers after replay_end in the next graph
+    def tail(self, x, positions):
+        first, *rest = self.layers[self.replay_from:]
+        x, p = replay_begin(x, positions, window=W)
+        (x,) = replay_end(first(x, *self.angles(p)))
+        torch._dynamo.graph_break()
+        for layer in rest:
+            x = layer(x, *self.angles(positions))
+        return x
+
+
+@pytest.mark.parametrize("make", [BreakThenMean, BreakThenAttention], ids=["mean", "attention"])
+def test_rows_mixed_in_a_later_graph_of_the_step_turn_trimming_off(make):
+    """The region's graph cannot see what a later graph of the same step does with its
+    rows: that graph, reading rows together, turns the region's trimming off when it is
+    built (a counted fallback), before any step trims, and every step matches."""
+    before = counters.fallbacks["replay_region_unsupported"]
+    assert serve_with_graph_breaks(make) == 0
+    assert counters.fallbacks["replay_region_unsupported"] == before + 1
+
+
+def test_a_step_that_trimmed_before_the_later_graph_was_built_fails_naming_why():
+    """Built in a step whose region already trimmed, the later graph is too late for
+    that step: the step fails with the reason, and the steps after it do not trim."""
+    torch._dynamo.reset()
+    model = BreakThenMean().eval()
+    fn = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTS)
+    oracle, server = OwnServer(model, gqa_cache), OwnServer(model, gqa_cache)
+    step = [R("a", 20, 20)]
+    batch = replay_backend.build_step_batch(step, [server.default_tokens(r) for r in step], [server.block("a")],
+                                            server.layout, W, "cpu")
+    with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch, use_graphs=False)):
+        with pytest.raises(ValueError, match=r"reads rows together \(mean .* after a graph of the same step "
+                                             r"trimmed its replay region"):
+            fn(batch.input_ids, batch.positions)
+    before = counters.trims
+    with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch, use_graphs=False)):
+        (hidden,) = fn(batch.input_ids, batch.positions)
+    assert counters.trims == before
+    want, _ = oracle.step(step)
+    torch.testing.assert_close(model.head(hidden[batch.logits_indices]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_local_graph_after_the_region_leaves_trimming_on():
+    assert serve_with_graph_breaks(BreakThenNorm) >= 2
+
+
 class BeginOnly(Model):  # replay_end forgotten
     def tail(self, x, positions):
         x, p = replay_begin(x, positions, window=W)
@@ -204,11 +267,11 @@ class BreakBefore(OnePair):  # a graph break ahead of the region: two graphs, th
         return super().tail(x, positions)
 
 
-def test_a_graph_break_serves_without_recompiling():
-    """The first graph's outputs reach the second as its inputs: an eager step's and a
-    graphed step's must look alike to the second's guards (no view of padded rows)."""
+def serve_with_graph_breaks(make) -> int:
+    """``make()`` under plain ``torch.compile`` (``replay_backend.compile`` traces one
+    graph), served step by step against its eager run; returns the trimmed steps."""
     torch._dynamo.reset()
-    model = BreakBefore().eval()
+    model = make().eval()
     fn = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTS)
     oracle, server = OwnServer(model, gqa_cache), OwnServer(model, gqa_cache)
     batch = server.setup.dummy_batch(W)
@@ -217,12 +280,21 @@ def test_a_graph_break_serves_without_recompiling():
     backend = replay_backend.backend_of(fn)
     backend.capture(server.setup)
     backend.start_serving()
+    before = counters.trims
     for step in STEPS:
         b = backend.build_batch(step, [server.default_tokens(r) for r in step], [server.block(r.req_id) for r in step])
         with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(b)):
             (hidden,) = fn(b.input_ids, b.positions)
         want, _ = oracle.step(step)
-        torch.testing.assert_close(model.head(hidden[b.logits_indices]), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.head(hidden[b.logits_indices]), want, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{step}: logits: {m}")
+    return counters.trims - before
+
+
+def test_a_graph_break_serves_without_recompiling():
+    """The first graph's outputs reach the second as its inputs: an eager step's and a
+    graphed step's must look alike to the second's guards (no view of padded rows)."""
+    serve_with_graph_breaks(BreakBefore)
 
 
 class ScaleOutside(Model):  # the region reads a tensor the main layers compute from a weight

@@ -43,7 +43,8 @@ class CompiledReplayModel:
                  res: GraphResources, calls=None, sources=None, dump_dir: str | None = None,
                  dp_group=None, full_sizes: list[int] | None = None,
                  number_inputs: tuple[int, ...] | None = None, int_inputs: tuple[int, ...] = (),
-                 input_names: tuple[str, ...] = (), token_outputs: tuple[tuple[int, ...], ...] | None = None) -> None:
+                 input_names: tuple[str, ...] = (), token_outputs: tuple[tuple[int, ...], ...] | None = None,
+                 reads_rows_together: str | None = None) -> None:
         self.split_gm, self.cfg, self.plan = split_gm, cfg, plan
         self.dp_group = dp_group  # data-parallel ranks that agree on every step (agree.py)
         self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
@@ -51,6 +52,9 @@ class CompiledReplayModel:
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
         # Per output, the dimensions the token count sizes (None: the first of each tensor).
         self.token_outputs = token_outputs
+        # Why this graph reads rows together (passes/row_local.py), or None: run after a
+        # trimmed region of the same step it would read rows the trim left unwritten.
+        self.reads_rows_together = reads_rows_together
         # What a model without a replay region decides steps by (with one, the region's
         # runtime holds the full record).
         self.sizes = Sizes(main=tuple(main_level.sizes))
@@ -176,7 +180,8 @@ class CompiledReplayModel:
                                "runs without graphs. Keep it constant, or make it a 0-dim tensor on the model's "
                                "device that you update in place")
         agreement = agree_step(self.dp_group if self._agrees else None, self.tp_group, use_graphs, num_tokens,
-                               batch is not None and batch.has_trimmable_rows,
+                               batch is not None and (self.replay.trimmable(batch) if self.replay is not None
+                                                      else batch.has_trimmable_rows),
                                batch.replay.num_rows if batch is not None else num_tokens, full, fell_back)
         if agreement is not None and agreement.fell_back and use_graphs and self.cfg.graphs_enabled and \
                 self._plan(ctx, num_tokens, True, dataclasses.replace(agreement, graphs=True), full).runs_graphs:
@@ -225,9 +230,19 @@ class CompiledReplayModel:
         if not self.token_inputs:
             return self.split_gm(*args), None
         t = args[self.token_inputs[0]].shape[0]
+        if ctx is not None and self.reads_rows_together and any(trimmed for _, trimmed in ctx.regions_run):
+            # Only in the step that first reached this graph: building it turned that
+            # region's trimming off for the steps after (pipeline.py).
+            self.fail_step(ValueError(
+                f"dsv41_replay: this graph reads rows together ({self.reads_rows_together}) after a graph of the same "
+                "step trimmed its replay region, which leaves all but the kept rows unwritten: this step's results "
+                "would be wrong. Trimming is off from now on; keep what follows replay_end in the markers' graph "
+                "(no graph break there)"))
         plan = self.decide(ctx, t, args)
         if ctx is not None:
             ctx.plan, ctx.replay_runtime = plan, self.replay
+            if self.replay is not None:
+                ctx.regions_run.append((self.replay, plan.trim))
         if plan.kind is StepKind.EAGER:
             return self._eager_padded(args, t, plan), plan
         tp = plan.padded_tokens

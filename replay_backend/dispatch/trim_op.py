@@ -19,6 +19,7 @@ from ..config import ReplayConfig
 from ..counters import counters
 from ..forward_context import get_forward_context
 from ..capture.graphs import GraphLevel, GraphResources
+from ..fallbacks import Fallback
 from .decide import Sizes, StepKind, StepPlan, plan_step
 from .row_moves import RowMoves
 from .trim_io import TrimIO
@@ -53,6 +54,7 @@ class ReplayRuntime:
         self.computed_consts = computed_consts
         self._held: dict[int, torch.Tensor] | None = None
         self.metadata = None  # the serving backend's MetadataBuffer (use_metadata_buffer)
+        self.trim_refused: str | None = None  # why no step trims any more (refuse_trim)
         threshold = cfg.decoder_replay_trim_threshold if cfg.cudagraph_decoder_replay else None
         # What each step's decision reads (decide.py); io_pairs grow as capture makes them.
         self.sizes = Sizes(tuple(sorted(main_sizes or [])), tuple(self.replay_sizes), frozenset(level.sizes),
@@ -108,10 +110,25 @@ class ReplayRuntime:
         finally:
             self._region_s += time.perf_counter() - t0
 
+    def trimmable(self, batch) -> bool:
+        """Whether this step has rows to trim, as far as this region goes."""
+        return batch.has_trimmable_rows and self.trim_refused is None
+
+    def refuse_trim(self, why: str) -> None:
+        """No step trims from now on (a counted fallback; an error under ``strict``):
+        ``why``, a later graph of the step reads the region's rows together."""
+        if self.trim_refused is None:
+            self.res.fallback(Fallback.REPLAY_REGION_UNSUPPORTED, f"no step trims the replay region: a later graph "
+                              f"of the step reads its rows together ({why}), and a trim leaves all but the kept rows "
+                              "unwritten; keep what follows replay_end in the markers' graph (no graph break there)")
+            self.trim_refused = why
+            # A graphed step trims from the threshold on, trimmable rows or not (decide.py).
+            self.sizes = dataclasses.replace(self.sizes, trim_threshold=None)
+
     def plan(self, batch, num_tokens: int, use_graphs: bool = True, agreement=None, full: bool = False) -> StepPlan:
         """The step's one decision (decide.py), with what the data-parallel ranks agreed."""
         capturing_main = self.res.lifecycle.capturing_main  # the region runs without graphs meanwhile
-        return plan_step(self.sizes, num_tokens, batch.replay.num_rows, batch.has_trimmable_rows,
+        return plan_step(self.sizes, num_tokens, batch.replay.num_rows, self.trimmable(batch),
                          use_graphs=use_graphs, region_graphs=not capturing_main, agreement=agreement, full=full)
 
     def __call__(self, rows: list[torch.Tensor], consts: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
