@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import torch
 from torch import fx
 
 from ..config import ReplayConfig
@@ -23,6 +22,7 @@ from ..parallel import check_same_plan
 from .agree import agree_step, give_up_step
 from .direct import GraphCall
 from .step_inputs import StepInputs
+from .step_outputs import StepOutputs
 from .trim_op import ReplayRuntime
 
 
@@ -50,8 +50,7 @@ class CompiledReplayModel:
         self.tp_group = None  # with debug_check_ranks: tensor-parallel ranks that check every plan
         self.main_level, self.replay, self.res = main_level, replay, res
         self.token_inputs, self.sym_inputs = token_inputs, sym_inputs
-        # Per output, the dimensions the token count sizes (None: the first of each tensor).
-        self.token_outputs = token_outputs
+        self.outputs = StepOutputs(token_outputs)
         # Why this graph reads rows together (passes/row_local.py), or None: run after a
         # trimmed region of the same step it would read rows the trim left unwritten.
         self.reads_rows_together = reads_rows_together
@@ -135,9 +134,7 @@ class CompiledReplayModel:
                 ctx.compiled_step = False
         self.last_plan = plan
         if self.res.lifecycle.measuring:  # what a FULL graph keeps per row (capture/memory.py)
-            dims = self.token_outputs or ((0,),) * len(out)
-            self.output_row_bytes = sum(o.nbytes // max(1, o.shape[ds[0]]) for o, ds in zip(out, dims)
-                                        if isinstance(o, torch.Tensor) and ds and ds[0] < o.dim())
+            self.output_row_bytes = self.outputs.row_bytes(out)
         if plan is not None:
             self.res.lifecycle.last_plan = plan
         if self.res.lifecycle.phase is Phase.CAPTURED:
@@ -258,7 +255,7 @@ class CompiledReplayModel:
                 out = self._run_at(tp, new, plan, ctx)
             finally:
                 ctx.use_views(ctx.batch.view, ctx.batch.region_view)
-        return self._outputs(out, t, graphed=True), plan
+        return self.outputs.own(out, t, graphed=True), plan
 
     def _run_at(self, tp: int, new: list, plan: StepPlan, ctx=None) -> tuple:
         """The step at ``tp`` padded tokens: its FULL graph, or the pieces' graphs."""
@@ -283,16 +280,7 @@ class CompiledReplayModel:
         the last step's) must be what every graph reads."""
         pin = plan.replay_padded is not None or self.inputs.changed_number(args) is None
         new = self.inputs.eager_padded(args, plan.padded_tokens, pin)
-        return self._outputs(self.split_gm(*new), t, graphed=False)
-
-    def _outputs(self, out, t: int, graphed: bool) -> tuple:
-        """The step's outputs: the token-indexed ones cut to the ``t`` real tokens in
-        every dimension the token count sizes, each a tensor of its own. Out of graphs,
-        whose memory the next step overwrites, copies; never a view either, which
-        another graph of the model (past a graph break) would be guarded on as a view,
-        so that an eager step's and a graphed step's outputs would recompile it."""
-        dims = self.token_outputs or ((0,),) * len(out)
-        return tuple(_own(_cut(o, ds, t), graphed) if isinstance(o, torch.Tensor) else o for o, ds in zip(out, dims))
+        return self.outputs.own(self.split_gm(*new), t, graphed=False)
 
     # ---- capture --------------------------------------------------------------------
     def estimate_graph_memory(self, run_step_without_graphs, replay_view_for, run_full_step=None):
@@ -340,13 +328,3 @@ class CompiledReplayModel:
                 kept = tuple(s for s in policy.sizes if s in self.full.graphs)
                 self.use_full_policy(dataclasses.replace(policy, sizes=kept) if kept else None)
 
-
-def _cut(x: torch.Tensor, dims: tuple[int, ...], t: int) -> torch.Tensor:
-    for d in dims:
-        if d < x.dim() and x.shape[d] != t:
-            x = x.narrow(d, 0, t)
-    return x
-
-
-def _own(x: torch.Tensor, copy: bool) -> torch.Tensor:
-    return x.clone() if copy or x._base is not None else x
