@@ -171,8 +171,12 @@ def test_rows_mixed_in_a_later_graph_of_the_step_turn_trimming_off(make):
     rows: that graph, reading rows together, turns the region's trimming off when it is
     built (a counted fallback), before any step trims, and every step matches."""
     before = counters.fallbacks["replay_region_unsupported"]
-    assert serve_with_graph_breaks(make) == 0
+    fn, trims = serve_with_graph_breaks(make)
+    assert trims == 0
     assert counters.fallbacks["replay_region_unsupported"] == before + 1
+    region_graph = next(m for m in replay_backend.backend_of(fn).compiled if m.replay is not None)
+    assert "no step trims: a later graph of the step reads the region's rows together" in \
+        plan_of(region_graph).replay_off_reason
 
 
 def test_a_step_that_trimmed_before_the_later_graph_was_built_fails_naming_why():
@@ -198,7 +202,7 @@ def test_a_step_that_trimmed_before_the_later_graph_was_built_fails_naming_why()
 
 
 def test_a_row_local_graph_after_the_region_leaves_trimming_on():
-    assert serve_with_graph_breaks(BreakThenNorm) >= 2
+    assert serve_with_graph_breaks(BreakThenNorm)[1] >= 2
 
 
 class BeginOnly(Model):  # replay_end forgotten
@@ -267,9 +271,10 @@ class BreakBefore(OnePair):  # a graph break ahead of the region: two graphs, th
         return super().tail(x, positions)
 
 
-def serve_with_graph_breaks(make) -> int:
+def serve_with_graph_breaks(make) -> tuple:
     """``make()`` under plain ``torch.compile`` (``replay_backend.compile`` traces one
-    graph), served step by step against its eager run; returns the trimmed steps."""
+    graph), served step by step against its eager run; returns the compiled model and
+    the trimmed steps."""
     torch._dynamo.reset()
     model = make().eval()
     fn = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTS)
@@ -288,7 +293,7 @@ def serve_with_graph_breaks(make) -> int:
         want, _ = oracle.step(step)
         torch.testing.assert_close(model.head(hidden[b.logits_indices]), want, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{step}: logits: {m}")
-    return counters.trims - before
+    return fn, counters.trims - before
 
 
 def test_a_graph_break_serves_without_recompiling():

@@ -101,10 +101,15 @@ class CompiledReplayModel:
         return type(self).__call__.__code__
 
     def plan_snapshot(self):
-        """The split plan with each runner's captured sizes and dispatch counts now."""
+        """The split plan with each runner's captured sizes and dispatch counts now, and
+        why no step trims where a later graph turned trimming off after the split."""
         from ..plan import runner_stats
 
-        return dataclasses.replace(self.plan, runners=runner_stats(self))
+        plan = dataclasses.replace(self.plan, runners=runner_stats(self))
+        if self.replay is not None and self.replay.trim_refused is not None and plan.replay_off_reason is None:
+            plan = dataclasses.replace(plan, replay_off_reason=f"no step trims: a later graph of the step reads the "
+                                                              f"region's rows together ({self.replay.trim_refused})")
+        return plan
 
     # ---- one step -------------------------------------------------------------------
     def __call__(self, *args):
