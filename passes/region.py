@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..ops import BEGIN, END, TRIM
+from ..compat.dynamo import shares_memory
+from ..ops import BEGIN, END
 from .common import op_name, is_op, node_value
 from .row_local import declared_row_local, row_mixing, symbols
 
@@ -93,11 +94,12 @@ def marked_window(gm: fx.GraphModule) -> int | None:
 def _computed(x: fx.Node, graph_inputs: list[torch.Tensor]) -> bool:
     """Whether the main graph computes ``x`` into memory of its own, whose address may
     change from step to step: not a graph input, nor a view of one of ``graph_inputs``
-    (a weight's slice or transpose keeps the weight's memory)."""
+    (a weight's slice or transpose keeps the weight's memory). Where torch cannot tell
+    a view, computed: holding a copy of a view is safe, only slower."""
     if x.op in ("placeholder", "get_attr"):
         return False
     v = node_value(x)
-    return not any(torch._C._is_alias_of(v, w) for w in graph_inputs)
+    return not any(shares_memory(v, w) for w in graph_inputs)
 
 
 def _check_after_end(gm: fx.GraphModule, end: fx.Node, allowed_ops, token_syms: set, row_counts: set) -> None:

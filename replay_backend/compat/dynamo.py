@@ -1,5 +1,6 @@
-"""Dynamo (private torch): fake inputs, symbolic sizes, tracing knobs, the compiled
-callables and the ``torch.compile`` call a backend serves. Each is feature-detected."""
+"""Dynamo (private torch): fake inputs, symbolic sizes, aliasing of traced values,
+tracing knobs, the compiled callables and the ``torch.compile`` call a backend serves.
+Each is feature-detected."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,13 @@ def detect_fake_mode(inputs) -> Any:
     from torch._guards import detect_fake_mode as _detect
 
     return _detect(inputs)
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether traced (fake) ``a`` is a view of ``b``'s memory, or ``b`` of ``a``'s;
+    None where this torch cannot say."""
+    is_alias_of = getattr(torch._C, "_is_alias_of", None)
+    return None if is_alias_of is None else bool(is_alias_of(a, b))
 
 
 def fakeify(fake_mode, inputs: list) -> list:

@@ -332,4 +332,3 @@ class CompiledReplayModel:
                                   "before serving; their steps run in pieces")
                 kept = tuple(s for s in policy.sizes if s in self.full.graphs)
                 self.use_full_policy(dataclasses.replace(policy, sizes=kept) if kept else None)
-
