@@ -467,16 +467,20 @@ def test_trims_by_step_takes_each_place_in_a_run_over_the_runs_that_reach_it():
     assert bench_timing.trims_by_step([]) == []
 
 
+def _tiny_decode_bench(out, conc: str, steps: int, modes: str) -> int:
+    """``replay-backend decode-bench`` on a four-layer tiny model at 40 tokens of context."""
+    return cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
+                     "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", conc,
+                     "--mixed", "24", "--prefill-isl", "64", "--steps", str(steps), "--runs", "1", "--warmup", "1",
+                     "--max-num-batched-tokens", "128", "--modes", modes, "--out", str(out)])
+
+
 def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys):
     """``replay-backend decode-bench`` on a four-layer tiny model: the decode points run
     PIECEWISE under piecewise and FULL under full_and_piecewise, with the same logits
     (fp32), and the report holds every point of both modes."""
     out = tmp_path / "decode.json"
-    rc = cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
-                   "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", "1,2",
-                   "--mixed", "24", "--prefill-isl", "64", "--steps", "2", "--runs", "1", "--warmup", "1",
-                   "--max-num-batched-tokens", "128", "--modes", "piecewise,full_and_piecewise", "--out", str(out)])
-    assert rc == 0
+    assert _tiny_decode_bench(out, conc="1,2", steps=2, modes="piecewise,full_and_piecewise") == 0
     report = json.loads(out.read_text())
     runs = {r["mode"]: r for r in report["results"]}
     assert runs["piecewise"]["kinds"] == {"40/1": "piecewise", "40/2": "piecewise"}
@@ -504,11 +508,7 @@ def test_a_peer_that_fails_while_measured_is_one_entry_with_its_error(tmp_path, 
 
     monkeypatch.setattr(decode_bench, "stock_peer", failing_peer)
     out = tmp_path / "decode.json"
-    rc = cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
-                   "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", "1",
-                   "--mixed", "24", "--prefill-isl", "64", "--steps", "1", "--runs", "1", "--warmup", "1",
-                   "--max-num-batched-tokens", "128", "--modes", "piecewise,reduce-overhead", "--out", str(out)])
-    assert rc == 1
+    assert _tiny_decode_bench(out, conc="1", steps=1, modes="piecewise,reduce-overhead") == 1
     runs = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in runs] == ["piecewise", "reduce-overhead"]
     assert runs[1]["error"] == "RuntimeError: CantSplit: the peer's own" and not runs[0]["error"]
