@@ -512,8 +512,10 @@ def test_a_peer_that_fails_while_measured_is_one_entry_with_its_error(tmp_path, 
     runs = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in runs] == ["piecewise", "reduce-overhead"]
     assert runs[1]["error"] == "RuntimeError: CantSplit: the peer's own" and not runs[0]["error"]
-    printed = capsys.readouterr().out
-    assert "| 40/1 | " in printed and "| reduce-overhead | 0 | RuntimeError: CantSplit" in printed
+    printed = capsys.readouterr()
+    assert "| 40/1 | " in printed.out and "| reduce-overhead | 0 | RuntimeError: CantSplit" in printed.out
+    # The whole traceback on stderr: where inside torch it failed.
+    assert "reduce-overhead: failed; its traceback:" in printed.err and "in <lambda>" in printed.err
 
 
 def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):

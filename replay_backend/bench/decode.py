@@ -28,7 +28,7 @@ from ..reference.runner import StepRunner
 from ..requests import RequestChunk
 from .cuda_tracing import CudaTracing
 from .profile import NoKernelsRecorded, kernel_floor_ms, profile_to
-from .modes import bench_model, stock_peer
+from .modes import bench_model, mode_failed, stock_peer
 from .watch import sync
 
 OURS = {"piecewise": {"cudagraph_mode": "piecewise"},
@@ -236,7 +236,7 @@ def run_decode_bench(args) -> dict:
         try:
             ours.append(_build(mode, model, kw, args, cache))
         except Exception as e:  # noqa: BLE001 - one mode's failure is its entry, the others go on
-            runs.append(DecodeRun(mode, error=f"{type(e).__name__}: {e}"[:500]))
+            runs.append(DecodeRun(mode, error=mode_failed(mode, e)))
     runs += [m.run for m in ours]
     _measure(ours, args)
     ours.clear()
@@ -247,7 +247,7 @@ def run_decode_bench(args) -> dict:
             run = peer.run
             _measure([peer], args)
         except Exception as e:  # noqa: BLE001 - the peer's own failure is its entry, with what it measured
-            run.error = f"{type(e).__name__}: {e}"[:500]
+            run.error = mode_failed(PEER, e)
         runs.append(run)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "runs": args.runs,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import time
+import traceback
 
 import torch
 
@@ -27,6 +29,14 @@ MODE_OPTIONS = {
     "replay": {},
 }
 WIDE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def mode_failed(mode: str, e: BaseException) -> str:
+    """What a mode's report entry says of its failure, its whole traceback printed to
+    stderr first: a compile failure inside torch is unreadable from one line."""
+    print(f"{mode}: failed; its traceback:", file=sys.stderr, flush=True)
+    traceback.print_exception(e, file=sys.stderr)
+    return f"{type(e).__name__}: {e}"[:500]
 
 
 class SharedTrace:

@@ -24,7 +24,7 @@ from ..reference.accuracy import CHECK, yardstick
 from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
 from .flops import measured_peak, point_flops
-from .modes import (MODE_OPTIONS, SharedTrace, backend_config, bench_model, build_shared_mode, plan_modes,
+from .modes import (MODE_OPTIONS, SharedTrace, backend_config, bench_model, build_shared_mode, mode_failed, plan_modes,
                     prepare_mode, release_memory)
 from .report import MODES, render  # noqa: F401  (bench.MODES, bench.render: the CLI's and tests')
 from .timing import ModeRun, TimedMode, time_points
@@ -126,7 +126,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
                 # which the failed rank left: nothing to agree on after it, so the run
                 # ends here, the rank named (ranks.launch).
                 raise
-            run.error = f"{type(e).__name__}: {e}"[:500]
+            run.error = mode_failed(f"{mode}/{setting}", e)
             print(f"{mode}/{setting}: failed: {run.error}", flush=True)
             return None
         print(f"{mode}/{setting}: ready, check prompt max|d| {run.max_abs_err_vs_eager:.3g} vs the plain model, "
