@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from replay_backend.bench import decode as decode_bench
+from replay_backend.compat import dynamo as compat_dynamo
 from replay_backend.bench import modes as bench_modes
 from replay_backend.bench import run as bench
 from replay_backend.bench import report as bench_report
@@ -19,6 +20,7 @@ from replay_backend.backend import ReplayBackend
 from replay_backend.reference.compare import max_abs_err
 from replay_backend.counters import counters
 from replay_backend.reference.runner import StepRunner
+from replay_backend.requests import RequestChunk
 
 from conftest import MAX_MODEL_LEN
 
@@ -493,6 +495,19 @@ def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys
         assert max(r["max_abs_err_vs_first"].values()) < 1e-4
     out = capsys.readouterr().out
     assert "| 40/2 |" in out and "| piecewise queued | build | host | full_and_piecewise queued | build | host |" in out
+
+
+def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(model, monkeypatch, fresh_dynamo):
+    """As a user of reduce-overhead would: later calls are Dynamo's own, so a one-token
+    step recompiles to a graph of one token (a token symbol of size one failed in
+    Inductor on the GPU). The compile itself is left out: the model runs as it is."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    marked = []
+    monkeypatch.setattr(compat_dynamo, "mark_tokens_dynamic", lambda *ts: marked.append(ts))
+    runner, _ = bench_modes.stock_peer(model, dict(max_num_seqs=4, max_model_len=MAX_MODEL_LEN))
+    runner.prefill({"a": 20})
+    runner.step([RequestChunk("a", 1, 21)])
+    assert len(marked) == 1 and marked[0][0].shape[0] == model.cfg.window
 
 
 def test_a_peer_that_fails_while_measured_is_one_entry_with_its_error(tmp_path, capsys, monkeypatch):

@@ -11,13 +11,13 @@ import traceback
 import torch
 
 from ..backend import ReplayBackend
+from ..compat import dynamo as compat_dynamo
 from ..compat import inductor as compat_inductor
 from ..config import ReplayConfig
 from ..reference import build_model
 from ..reference.cli_options import model_config, parse_options
 from ..reference.parallel import shard
 from ..reference.runner import StepRunner
-from ..tracing.dynamic import call_dynamic
 from .report import UNGRAPHED
 from .timing import ModeRun
 from .watch import sync
@@ -116,11 +116,24 @@ def build_shared_mode(key: str, model, kw: dict, shared: SharedTrace, shared_fwd
 
 def stock_peer(model, kw: dict) -> tuple[StepRunner, float]:
     """A runner of the stock ``torch.compile(mode="reduce-overhead")`` peer (CUDA graph
-    trees), traced once like ours, and the seconds of its first step (trace, compile).
+    trees), its first trace dynamic in the token count like ours, and the seconds of its
+    first step (trace, compile).
     It resets Dynamo first: this backend's modes are done before it."""
     torch._dynamo.reset()
     peer = torch.compile(model, options=compat_inductor.reduce_overhead_options())
-    runner = StepRunner(model, forward=lambda ids, pos: call_dynamic(peer, (ids, pos), False, ids, pos), **kw)
+    traced = False
+
+    def forward(ids, pos):
+        nonlocal traced
+        # The token count marked dynamic for the first trace only, as a user would: later
+        # calls are Dynamo's own, so a one-token step recompiles as stock torch does (a
+        # graph of exactly one token) instead of tracing a symbol of size one.
+        if not traced:
+            traced = True
+            compat_dynamo.mark_tokens_dynamic(ids, pos)
+        return peer(ids, pos)
+
+    runner = StepRunner(model, forward=forward, **kw)
     t0 = time.perf_counter()
     runner.run(runner.dummy_batch(model.cfg.window))
     sync()
