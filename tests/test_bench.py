@@ -469,12 +469,12 @@ def test_trims_by_step_takes_each_place_in_a_run_over_the_runs_that_reach_it():
     assert bench_timing.trims_by_step([]) == []
 
 
-def _tiny_decode_bench(out, conc: str, steps: int, modes: str) -> int:
+def _tiny_decode_bench(out, conc: str, steps: int, modes: str, *extra: str) -> int:
     """``replay-backend decode-bench`` on a four-layer tiny model at 40 tokens of context."""
     return cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
                      "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", conc,
                      "--mixed", "24", "--prefill-isl", "64", "--steps", str(steps), "--runs", "1", "--warmup", "1",
-                     "--max-num-batched-tokens", "128", "--modes", modes, "--out", str(out)])
+                     "--max-num-batched-tokens", "128", "--modes", modes, "--out", str(out), *extra])
 
 
 def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys):
@@ -495,6 +495,18 @@ def test_decode_bench_runs_each_mode_and_says_how_each_step_ran(tmp_path, capsys
         assert max(r["max_abs_err_vs_first"].values()) < 1e-4
     out = capsys.readouterr().out
     assert "| 40/2 |" in out and "| piecewise queued | build | host | full_and_piecewise queued | build | host |" in out
+
+
+def test_the_decode_bench_host_profile_shows_where_a_full_step_spends_host_time(tmp_path):
+    """``--host-profile-out`` with a profile point: per mode, cProfile's listing of that
+    point's synchronised steps, the FULL graph's replay inside the step's dispatch."""
+    out, prof = tmp_path / "decode.json", tmp_path / "host.txt"
+    # At the longest context the caches hold: the profiled steps need room of their own.
+    assert _tiny_decode_bench(out, "2", 8, "full_and_piecewise", "--context", "1024", "--profile-points", "1024/2",
+                              "--host-profile-out", str(prof)) == 0
+    text = prof.read_text()
+    assert "######## full_and_piecewise decode 1024/2: 8 steps" in text
+    assert "Ordered by: cumulative time" in text and "full.py" in text and "(replay)" in text
 
 
 def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(model, monkeypatch, fresh_dynamo):
@@ -550,6 +562,8 @@ def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):
     (["--mixed", "600", "--max-num-batched-tokens", "512"], r"--mixed 600: more tokens than --max-num-batched"),
     (["--conc", "600", "--mixed", "64", "--max-num-batched-tokens", "512"], r"--conc 600: more tokens than"),
     (["--trace-dir", "/tmp"], r"--trace-dir keeps the traces of the profiled steps: give --profile-out"),
+    (["--host-profile-out", "/tmp/h.txt"], r"--host-profile-out profiles the points of --profile-points, and none"),
+    (["--host-profile-out", "/nonexistent/h.txt", "--profile-points", "1024/1"], r"--host-profile-out"),
 ])
 def test_decode_bench_sizes_out_of_range_are_one_line_before_any_model(argv, match, capsys, monkeypatch):
     monkeypatch.setattr(decode_bench, "bench_model", lambda *a, **k: pytest.fail("a model was built"))

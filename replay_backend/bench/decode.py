@@ -27,7 +27,7 @@ from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
 from ..requests import RequestChunk
 from .cuda_tracing import CudaTracing
-from .profile import NoKernelsRecorded, kernel_floor_ms, profile_to
+from .profile import NoKernelsRecorded, host_profile_to, kernel_floor_ms, profile_to
 from .modes import bench_model, mode_failed, stock_peer
 from .watch import sync
 
@@ -147,6 +147,9 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
         if args.profile_out and point in args.profile_points:
             profile_to(args.profile_out, f"{m.run.mode} decode {point}", lambda: m.decode(live[id(m)])[0],
                        args.trace_dir, tracing)
+        if args.host_profile_out and point in args.profile_points:
+            host_profile_to(args.host_profile_out, f"{m.run.mode} decode {point}", lambda: m.decode(live[id(m)])[0],
+                            args.steps)
         if torch.cuda.is_available():
             try:
                 m.run.floor_ms[point] = kernel_floor_ms(lambda: m.decode(live[id(m)])[0], tracing)
@@ -218,8 +221,10 @@ def _measure(modes: list[Mode], args) -> None:
 def cache_size(args) -> tuple[int, int]:
     """The runners' ``max_model_len`` and ``max_num_seqs``: the longest context or prompt
     with the tokens every decode step of a point adds (even: blocks hold pairs), and the
-    most requests of a point (nine at least: the mixed point's)."""
-    longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + 2
+    most requests of a point (nine at least: the mixed point's). A point's steps: warm-up,
+    timed, queued, the two profiled steps, and the host profile's."""
+    host_profiled = args.steps if getattr(args, "host_profile_out", None) else 0
+    longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + host_profiled + 2
     return longest + longest % 2, max(max(args.conc), 9)
 
 
@@ -277,6 +282,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1, **tokens), default=8192)
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
+    p.add_argument("--host-profile-out", help="append where the host's time goes (cProfile) in --steps synchronised "
+                   "decode steps per mode at --profile-points here")
     p.add_argument("--profile-points", type=cli_args.profile_points, default=[],
                    help="CONTEXT/CONC points to profile, e.g. 1024/8")
     p.add_argument("--trace-dir", metavar="DIR", help="keep each profiled step's Chrome trace here (gzipped)")

@@ -70,3 +70,27 @@ def profile_to(path: str, title: str, ttft: Callable[[], float], trace_dir: str 
                              row_limit=40, max_name_column_width=70))
         f.write("\n\nby host time\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
+
+def host_profile_to(path: str, title: str, step: Callable[[], float], steps: int) -> None:
+    """Where ``steps`` calls of ``step`` spend host time, by Python function (cProfile),
+    appended to ``path`` under ``title``: sorted by cumulative time, then by own time.
+    cProfile slows every Python call, so read its figures as shares of the host's work,
+    and the step times of the bench (taken without it) as times."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    walls = []
+    for _ in range(steps):
+        prof.enable()
+        walls.append(step())
+        prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(50)
+    stats.sort_stats("tottime").print_stats(30)
+    with open(path, "a") as f:
+        f.write(f"\n\n######## {title}: {steps} steps, {sum(walls) / steps:.2f} ms each under cProfile\n")
+        f.write(text.getvalue())

@@ -28,10 +28,12 @@ def cmd_decode_bench(args) -> int:
         if tokens > args.max_num_batched_tokens:
             raise ValueError(f"{flag} {tokens}: more tokens than --max-num-batched-tokens="
                              f"{args.max_num_batched_tokens} in one step")
-    if args.out:
-        cli_args.check_file(args.out, "--out")
-    if args.profile_out:
-        cli_args.check_file(args.profile_out, "--profile-out")
+    for flag, path in (("--out", args.out), ("--profile-out", args.profile_out),
+                       ("--host-profile-out", args.host_profile_out)):
+        if path:
+            cli_args.check_file(path, flag)
+    if args.host_profile_out and not args.profile_points:
+        raise ValueError("--host-profile-out profiles the points of --profile-points, and none is given")
     _check_trace_dir(args, "steps", "--profile-out and --profile-points")
     report = decode_bench.run_decode_bench(args)
     if args.out:
