@@ -509,6 +509,41 @@ def test_the_decode_bench_host_profile_shows_where_a_full_step_spends_host_time(
     assert "Ordered by: cumulative time" in text and "full.py" in text and "(replay)" in text
 
 
+def test_the_decode_bench_times_no_step_with_cuda_tracing_attached(tmp_path, monkeypatch):
+    """A profiler session leaves CUDA tracing attached, which slows the host's CUDA calls
+    (a graph launch most): no timed step of any mode or point may follow one before the
+    tracing is released, and the host profile (cProfile) comes before any of them."""
+    state = {"attached": False, "profiling": False}
+    timed_attached: list[str] = []
+
+    class Tracing:
+        def release(self):
+            state["attached"] = False
+
+    def profiled(step, attaches: bool):
+        assert not (state["attached"] and not attaches), "a host profile under CUDA tracing"
+        state["profiling"] = True
+        step()
+        state["profiling"] = False
+        state["attached"] = state["attached"] or attaches  # the session's tracing stays
+
+    decode = decode_bench.Mode.decode
+
+    def timed(self, ids, synced=True):
+        if state["attached"] and not state["profiling"]:
+            timed_attached.append(self.run.mode)
+        return decode(self, ids, synced)
+
+    monkeypatch.setattr(decode_bench, "CudaTracing", Tracing)
+    monkeypatch.setattr(decode_bench, "profile_to", lambda path, title, step, *a: profiled(step, True))
+    monkeypatch.setattr(decode_bench, "host_profile_to", lambda path, title, step, n: profiled(step, False))
+    monkeypatch.setattr(decode_bench.Mode, "decode", timed)
+    assert _tiny_decode_bench(tmp_path / "d.json", "1,2", 1, "piecewise,full_and_piecewise", "--profile-points",
+                              "40/1,40/2", "--profile-out", str(tmp_path / "p.txt"), "--host-profile-out",
+                              str(tmp_path / "h.txt")) == 0
+    assert timed_attached == []
+
+
 def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(model, monkeypatch, fresh_dynamo):
     """As a user of reduce-overhead would: later calls are Dynamo's own, so a one-token
     step recompiles to a graph of one token (a token symbol of size one failed in
