@@ -599,6 +599,12 @@ def test_the_bench_of_a_model_without_replay_layers_runs(tmp_path):
     (["--trace-dir", "/tmp"], r"--trace-dir keeps the traces of the profiled steps: give --profile-out"),
     (["--host-profile-out", "/tmp/h.txt"], r"--host-profile-out profiles the points of --profile-points, and none"),
     (["--host-profile-out", "/nonexistent/h.txt", "--profile-points", "1024/1"], r"--host-profile-out"),
+    (["--profile-out", "/tmp/p.txt", "--profile-points", "1024/1,1024/4,512/8"],
+     r"--profile-points 1024/4,512/8: not a point of --context x --conc"),
+    (["--out", "/tmp/same.txt", "--host-profile-out", "/tmp/same.txt", "--profile-points", "1024/1"],
+     r"--out and --host-profile-out name the same file '/tmp/same.txt'"),
+    (["--context", "16777000", "--steps", "100", "--host-profile-out", "/tmp/h.txt", "--profile-points", "1024/1"],
+     r"--steps 100 --warmup 3 --host-profile-out \(caches of"),
 ])
 def test_decode_bench_sizes_out_of_range_are_one_line_before_any_model(argv, match, capsys, monkeypatch):
     monkeypatch.setattr(decode_bench, "bench_model", lambda *a, **k: pytest.fail("a model was built"))

@@ -194,6 +194,9 @@ def test_an_unwritable_dump_or_report_is_refused_before_anything_runs(tmp_path, 
     assert "--trace-dir" in line and "cannot write there" in line
     line = _one_line_error(["bench", "--trace-dir", str(tmp_path / "traces")], capsys)
     assert "--trace-dir keeps the traces of the profiled points: give --profile-out" in line, line
+    line = _one_line_error(["bench", "--json", str(tmp_path / "r.txt"), "--profile-out", str(tmp_path / "r.txt")],
+                           capsys)
+    assert f"--json and --profile-out name the same file '{tmp_path / 'r.txt'}'" in line, line
 
 
 def test_a_dump_that_fails_while_compiling_fails_the_command(model, monkeypatch, tmp_path, capsys, fresh_dynamo):

@@ -23,17 +23,21 @@ def cmd_decode_bench(args) -> int:
     model_config(args.preset, args.model_option)  # a bad preset or option, before any model is built
     longest, seqs = decode_bench.cache_size(args)
     cli_args.check_layout(longest, seqs, f"--context {max(args.context)} --conc {max(args.conc)} --steps {args.steps} "
-                          f"--warmup {args.warmup} (caches of {longest} positions per sequence)")
+                          f"--warmup {args.warmup}{' --host-profile-out' if args.host_profile_out else ''} "
+                          f"(caches of {longest} positions per sequence)")
     for flag, tokens in (("--mixed", max(args.mixed)), ("--conc", max(args.conc))):  # a decode step: a token each
         if tokens > args.max_num_batched_tokens:
             raise ValueError(f"{flag} {tokens}: more tokens than --max-num-batched-tokens="
                              f"{args.max_num_batched_tokens} in one step")
-    for flag, path in (("--out", args.out), ("--profile-out", args.profile_out),
-                       ("--host-profile-out", args.host_profile_out)):
-        if path:
-            cli_args.check_file(path, flag)
+    _check_outputs((("--out", args.out), ("--profile-out", args.profile_out),
+                    ("--host-profile-out", args.host_profile_out)))
     if args.host_profile_out and not args.profile_points:
         raise ValueError("--host-profile-out profiles the points of --profile-points, and none is given")
+    measured = {f"{c}/{n}" for c in args.context for n in args.conc}
+    unmeasured = [p for p in args.profile_points if p not in measured]
+    if unmeasured and (args.profile_out or args.host_profile_out):
+        raise ValueError(f"--profile-points {','.join(unmeasured)}: not a point of --context x --conc, so it would "
+                         "not be profiled")
     _check_trace_dir(args, "steps", "--profile-out and --profile-points")
     report = decode_bench.run_decode_bench(args)
     if args.out:
@@ -83,10 +87,21 @@ def _check_bench(args) -> None:
     longest = max(max(args.isl), cfg.window) + 2
     cli_args.check_layout(longest, max(args.conc), f"--isl {max(args.isl)} --conc {max(args.conc)} (caches of "
                   f"max(ISL, W) + 2 = {longest} positions per sequence)")
-    for flag, path in (("--json", args.json), ("--out", args.out), ("--profile-out", args.profile_out)):
-        if path:
-            cli_args.check_file(path, flag)
+    _check_outputs((("--json", args.json), ("--out", args.out), ("--profile-out", args.profile_out)))
     _check_trace_dir(args, "points", "--profile-out")
+
+
+def _check_outputs(outputs) -> None:
+    """Each ``(flag, path)`` given can be written, and no two flags name one file: the
+    later writer would overwrite or interleave the other's."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs:
+        if not path:
+            continue
+        cli_args.check_file(path, flag)
+        other = seen.setdefault(os.path.realpath(path), flag)
+        if other != flag:
+            raise ValueError(f"{other} and {flag} name the same file {path!r}: give each its own")
 
 
 def _check_trace_dir(args, what: str, flags: str) -> None:
