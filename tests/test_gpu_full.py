@@ -118,3 +118,25 @@ def test_the_memory_estimate_covers_full_graphs_whose_attention_splits_for_the_l
     took = sum(level["gib"] for level in summary.values())
     assert est.full_peak_bytes > 0 and est.full_graphs == summary["full"]["graphs"], (est, summary)
     assert took <= 1.5 * est.total_gib + 0.125, (summary, est)
+
+
+def test_the_decode_bench_takes_a_floor_at_every_point_after_releasing_the_tracing(tmp_path):
+    """The decode bench releases the CUDA tracing after each point's floors, and the next
+    point's floor re-attaches it: every point of every mode still has a floor, a host
+    profile, and a step the same as the first mode's."""
+    import json
+
+    from replay_backend.reference import cli
+
+    out, host = tmp_path / "decode.json", tmp_path / "host.txt"
+    assert cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=8", "--model-option",
+                     "kv_source_layer_ids=1,3", "--context", "200", "--conc", "1,4", "--mixed", "24",
+                     "--prefill-isl", "256", "--steps", "3", "--runs", "1", "--warmup", "1",
+                     "--max-num-batched-tokens", "512", "--modes", "piecewise,full_and_piecewise",
+                     "--profile-points", "200/1,200/4", "--host-profile-out", str(host), "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["results"]
+    for r in runs:
+        assert not r["error"] and set(r["floor_ms"]) == {"200/1", "200/4"}, r
+        assert all(0 < f <= r["tpot_ms"][p] for p, f in r["floor_ms"].items()), r
+        assert max(r["max_abs_err_vs_first"].values()) < 0.05, r  # bf16
+    assert host.read_text().count("######## ") == 4
