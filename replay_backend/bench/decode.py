@@ -14,6 +14,7 @@ own ``reduce-overhead`` (CUDA graph trees), which resets Dynamo and runs alone.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -94,6 +95,10 @@ class Mode:
             sync()
         return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t0) * 1e3, out
 
+    def step_ms(self, ids: list[str]) -> float:
+        """One synchronised decode step of ``ids``: its ms."""
+        return self.decode(ids)[0]
+
     def pipelined(self, ids: list[str], steps: int) -> float:
         """ms per step of ``steps`` decode steps queued back to back."""
         sync()
@@ -148,17 +153,16 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
     # tracing left attached slows the host's CUDA calls (a graph launch most), and the
     # release after them keeps it off the next point's times.
     profiled = point in args.profile_points
-    for m in modes:
-        if args.host_profile_out and profiled:
-            host_profile_to(args.host_profile_out, f"{m.run.mode} decode {point}", lambda: m.decode(live[id(m)])[0],
-                            args.steps)
+    step = {id(m): functools.partial(m.step_ms, live[id(m)]) for m in modes}
+    if args.host_profile_out and profiled:
+        for m in modes:
+            host_profile_to(args.host_profile_out, f"{m.run.mode} decode {point}", step[id(m)], args.steps)
     for m in modes:
         if args.profile_out and profiled:
-            profile_to(args.profile_out, f"{m.run.mode} decode {point}", lambda: m.decode(live[id(m)])[0],
-                       args.trace_dir, tracing)
+            profile_to(args.profile_out, f"{m.run.mode} decode {point}", step[id(m)], args.trace_dir, tracing)
         if torch.cuda.is_available():
             try:
-                m.run.floor_ms[point] = kernel_floor_ms(lambda: m.decode(live[id(m)])[0], tracing)
+                m.run.floor_ms[point] = kernel_floor_ms(step[id(m)], tracing)
             except NoKernelsRecorded as e:
                 print(f"{m.run.mode} {point}: no floor: {e}", flush=True)
     tracing.release()
@@ -231,7 +235,7 @@ def cache_size(args) -> tuple[int, int]:
     with the tokens every decode step of a point adds (even: blocks hold pairs), and the
     most requests of a point (nine at least: the mixed point's). A point's steps: warm-up,
     timed, queued, the two profiled steps, and the host profile's."""
-    host_profiled = args.steps if getattr(args, "host_profile_out", None) else 0
+    host_profiled = args.steps if args.host_profile_out else 0
     longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + host_profiled + 2
     return longest + longest % 2, max(max(args.conc), 9)
 
