@@ -247,6 +247,54 @@ def test_max_seconds_counts_from_the_start_and_keeps_the_stock_peer_from_startin
     assert "ERROR time budget spent" in bench.render(report)
 
 
+def test_the_stock_peer_timed_after_profiled_floors_is_marked_so(monkeypatch):
+    """The stock peer resets Dynamo, so it follows this backend's modes and their
+    floors; CUDA tracing from those sessions slows its launches, and its report entry
+    and the rendered report say so. This backend's modes are timed before any session."""
+    monkeypatch.setattr(bench_modes, "stock_peer", _plain_peer)
+    order: list[str] = []
+    real_time, real_floor = bench.time_points, bench.floor_points
+
+    def time_points(modes, *a, **k):
+        order.append("time " + ",".join(m.run.mode for m in modes))
+        return real_time(modes, *a, **k)
+
+    def floor_points(timed, *a, **k):  # as on a GPU: the sessions traced CUDA
+        order.append("floors " + ",".join(m.run.mode for m in timed.modes))
+        real_floor(timed, *a, **k)
+        return True
+
+    monkeypatch.setattr(bench, "time_points", time_points)
+    monkeypatch.setattr(bench, "floor_points", floor_points)
+    args = SimpleNamespace(
+        preset="tiny", model_option=["num_layers=4", "kv_source_layer_ids=1", "window=16"],
+        option=["compiler=eager"], modes=["off", "reduce-overhead"], settings=["default"],
+        isl=[40], conc=[1], runs=1, warmup=0, max_num_batched_tokens=128,
+        max_tokens_per_point=1000, max_seconds=600.0, profile_out=None, profile_points=[])
+    report = bench.run_bench(args)
+    assert order == ["time off", "floors off", "time reduce-overhead", "floors reduce-overhead"]
+    runs = {r["mode"]: r for r in report["results"]}
+    assert runs["reduce-overhead"]["after_profiler"] and not runs["off"]["after_profiler"]
+    assert report["profiled"] and set(runs["reduce-overhead"]["ms"]) == {"40/1"}
+    assert "NOTE: default/reduce-overhead timed after a profiler session of this process" in bench.render(report)
+
+
+def test_a_later_attention_pass_is_marked_timed_after_the_profiler_of_an_earlier_one(monkeypatch):
+    from replay_backend.reference import cli_bench
+
+    seen = []
+
+    def run_bench(run, checkpoint=None, fp32_results=None, ranks=None, after_profiler=False):
+        seen.append((run.model_option[-1], after_profiler))
+        return {"profiled": True, "results": []}
+
+    monkeypatch.setattr(cli_bench.bench, "run_bench", run_bench)
+    monkeypatch.setattr(cli_bench, "_write_report", lambda args, reports: "")
+    args = SimpleNamespace(attention=["flashinfer", "triton"], model_option=[], max_seconds=100.0)
+    assert cli_bench.bench_passes(args) == 0
+    assert seen == [("attention_impl=flashinfer", False), ("attention_impl=triton", True)]
+
+
 def test_model_options_take_one_layer_id_as_a_list_of_one():
     cfg = bench_modes.model_config_of(SimpleNamespace(preset="tiny", model_option=["kv_source_layer_ids=1", "num_layers=4"]))
     assert cfg.kv_source_layer_ids == (1,) and cfg.num_layers == 4
@@ -293,7 +341,7 @@ def test_a_mode_that_fails_leaves_the_rotation_and_the_others_are_measured():
     ok = bench_timing.TimedMode(bench.ModeRun("off", "default"), Runner(False))
     bad = bench_timing.TimedMode(bench.ModeRun("parent", "default"), Runner(True))
     args = SimpleNamespace(warmup=1, runs=3, profile_out=None, profile_points=[])
-    bench_timing.time_points([bad, ok], [(8, 1), (16, 1)], float("inf"), args, "cpu", {}, [])
+    bench_timing.time_points([bad, ok], [(8, 1), (16, 1)], float("inf"), args, [])
     assert bad.run.error == "RuntimeError: boom" and not bad.run.ms
     assert ok.run.error is None and set(ok.run.ms) == {"8/1", "16/1"}
 
@@ -313,7 +361,9 @@ def test_every_point_is_timed_before_the_profiler_runs(tmp_path):
 
     modes = [bench_timing.TimedMode(bench.ModeRun(m, "default"), Runner()) for m in ("off", "parent")]
     args = SimpleNamespace(warmup=1, runs=2, profile_out=str(tmp_path / "prof.md"), profile_points=["8/1", "16/1"])
-    bench_timing.time_points(modes, [(8, 1), (16, 1)], float("inf"), args, "cpu", {}, [])
+    timed = bench_timing.time_points(modes, [(8, 1), (16, 1)], float("inf"), args, [])
+    assert tags == ["w0", "w0", "m0", "m0", "m1", "m1"] * 2  # no profile yet
+    assert not bench_timing.floor_points(timed, float("inf"), args, "cpu", {})  # no CUDA traced
     assert tags.count("prof") == 4 and set(tags[-4:]) == {"prof"}
     assert tags[:-4] == ["w0", "w0", "m0", "m0", "m1", "m1"] * 2
     assert (tmp_path / "prof.md").read_text().count("######## ") == 4
@@ -327,9 +377,8 @@ class _Kineto:
     tracing is attached starts a teardown, carried out on the process's next CUDA call: a session in which that call
     lands records no GPU kernels. A session that starts after a teardown re-attaches the
     tracing only with ``TEARDOWN_CUPTI=1`` (lazy re-init) and without
-    ``DISABLE_CUPTI_LAZY_REINIT``, else it records none. While attached, the tracing
-    slows the host's CUDA calls (``attached``). ``lose``: numbers of sessions that record
-    nothing regardless (1 = the first)."""
+    ``DISABLE_CUPTI_LAZY_REINIT``, else it records none. ``lose``: numbers of sessions
+    that record nothing regardless (1 = the first)."""
 
     def __init__(self, lose=()) -> None:
         self.attached = self.pending = self.torn_down = False
@@ -402,46 +451,23 @@ def _floors_back_to_back(monkeypatch, kineto: _Kineto, profile_points=()):
     floors: dict = {}
     args = SimpleNamespace(warmup=1, runs=2, profile_out="prof.md" if profile_points else None,
                            profile_points=list(profile_points))
-    bench_timing.time_points([mode], [(8, 1), (16, 1)], float("inf"), args, "cuda", floors, [])
+    timed = bench_timing.time_points([mode], [(8, 1), (16, 1)], float("inf"), args, [])
+    assert bench_timing.floor_points(timed, float("inf"), args, "cuda", floors)  # CUDA traced
     return mode.run, floors
 
 
-@pytest.mark.parametrize("reinit_off", [False, True])
-def test_back_to_back_floors_keep_cuda_tracing_until_the_last_then_release_it(monkeypatch, reinit_off):
+def test_back_to_back_floors_keep_cuda_tracing_attached_from_one_to_the_next(monkeypatch):
     """A floor taken right after another session lost its tracing to that session's
     teardown and read 0.0 ms (a GPU run with --profile-points): the sessions keep the
-    tracing attached from one to the next, it is released after the last (except where
-    torch's profiler marks a teardown unsafe), and a later pass (--attention's next
-    implementation) re-attaches it."""
-    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
-    if reinit_off:
-        monkeypatch.setenv("DISABLE_CUPTI_LAZY_REINIT", "1")
-    else:
-        monkeypatch.delenv("DISABLE_CUPTI_LAZY_REINIT", raising=False)
-    kineto = _Kineto()
-    for passes in (1, 2):
-        run, floors = _floors_back_to_back(monkeypatch, kineto)
-        assert floors == {"wide": {"8/1": 2.5, "16/1": 2.5}} and run.floor_errors == {}
-        # released: later timing runs untraced
-        assert kineto.attached is reinit_off and kineto.released == (0 if reinit_off else passes)
-
-
-def test_an_error_after_a_floor_still_releases_the_tracing(monkeypatch):
-    """A profile that fails after its session (its file cannot be written), the first
-    session of the phase, ends the phase with the error, and the tracing that session
-    left attached is still released."""
+    tracing attached from one to the next, nothing tears it down, and a later pass
+    (--attention's next implementation) records too."""
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     monkeypatch.delenv("DISABLE_CUPTI_LAZY_REINIT", raising=False)
-
-    def unwritable(path, title, ttft, trace_dir=None, tracing=None):
-        bench_timing.kernel_floor_ms(ttft, tracing)  # the profile's session
-        raise OSError("read-only file system")
-
-    monkeypatch.setattr(bench_timing, "profile_to", unwritable)
     kineto = _Kineto()
-    with pytest.raises(OSError, match="read-only"):
-        _floors_back_to_back(monkeypatch, kineto, profile_points=["8/1"])
-    assert kineto.sessions == 2 and not kineto.attached and kineto.released == 1
+    for _ in (1, 2):
+        run, floors = _floors_back_to_back(monkeypatch, kineto)
+        assert floors == {"wide": {"8/1": 2.5, "16/1": 2.5}} and run.floor_errors == {}
+        assert kineto.attached and kineto.released == 0
 
 
 def test_a_teardown_the_user_turned_off_stays_off(monkeypatch):
@@ -509,39 +535,49 @@ def test_the_decode_bench_host_profile_shows_where_a_full_step_spends_host_time(
     assert "Ordered by: cumulative time" in text and "full.py" in text and "(replay)" in text
 
 
-def test_the_decode_bench_times_no_step_with_cuda_tracing_attached(tmp_path, monkeypatch):
-    """A profiler session leaves CUDA tracing attached, which slows the host's CUDA calls
-    (a graph launch most): no timed step of any mode or point may follow one before the
-    tracing is released, and the host profile (cProfile) comes before any of them."""
-    state = {"attached": False, "profiling": False}
-    timed_attached: list[str] = []
+def _plain_peer(model, kw):
+    """The stock peer's place in the bench, without its compile: Dynamo reset, then the
+    plain model."""
+    from replay_backend.reference.runner import StepRunner
 
-    class Tracing:
-        def release(self):
-            state["attached"] = False
+    torch._dynamo.reset()
+    return StepRunner(model, **kw), 0.0
 
-    def profiled(step, attaches: bool):
-        assert not (state["attached"] and not attaches), "a host profile under CUDA tracing"
-        state["profiling"] = True
-        step()
-        state["profiling"] = False
-        state["attached"] = state["attached"] or attaches  # the session's tracing stays
 
-    decode = decode_bench.Mode.decode
+def test_the_decode_bench_times_every_step_before_any_profiler_session(tmp_path, monkeypatch):
+    """A profiler session slows every later CUDA launch of the process (a graph's most),
+    torn down or not: every timed step of every mode, the stock peer's too, comes
+    before the first profile or floor, and the host profiles (cProfile) with them.
+    This backend's modes take their floors after the peer's Dynamo reset, still
+    dispatching without Dynamo."""
+    log: list[str] = []
 
-    def timed(self, ids, synced=True):
-        if state["attached"] and not state["profiling"]:
-            timed_attached.append(self.run.mode)
-        return decode(self, ids, synced)
+    def logged(kind, fn):
+        def wrapped(*a, **k):
+            log.append(kind)
+            return fn(*a, **k)
+        return wrapped
 
-    monkeypatch.setattr(decode_bench, "CudaTracing", Tracing)
-    monkeypatch.setattr(decode_bench, "profile_to", lambda path, title, step, *a: profiled(step, True))
-    monkeypatch.setattr(decode_bench, "host_profile_to", lambda path, title, step, n: profiled(step, False))
-    monkeypatch.setattr(decode_bench.Mode, "decode", timed)
-    assert _tiny_decode_bench(tmp_path / "d.json", "1,2", 1, "piecewise,full_and_piecewise", "--profile-points",
+    for name in ("_decode_point", "_mixed_point", "_prefill_points"):
+        monkeypatch.setattr(decode_bench, name, logged("timed", getattr(decode_bench, name)))
+    monkeypatch.setattr(decode_bench, "host_profile_to", logged("host", decode_bench.host_profile_to))
+    monkeypatch.setattr(decode_bench, "profile_to", logged("session", decode_bench.profile_to))
+    monkeypatch.setattr(decode_bench, "stock_peer", _plain_peer)
+    built = []
+    real_build = decode_bench._build
+    monkeypatch.setattr(decode_bench, "_build", lambda *a: built.append(real_build(*a)) or built[-1])
+    out = tmp_path / "d.json"
+    assert _tiny_decode_bench(out, "1,2", 1, "piecewise,full_and_piecewise,reduce-overhead", "--profile-points",
                               "40/1,40/2", "--profile-out", str(tmp_path / "p.txt"), "--host-profile-out",
                               str(tmp_path / "h.txt")) == 0
-    assert timed_attached == []
+    first = log.index("session")
+    assert "timed" not in log[first:] and "host" not in log[first:], log
+    assert log.count("timed") == 2 * (2 + 1 + 1) and log.count("session") == 3 * 2, log  # ours, then the peer
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert all(not r["error"] and set(r["tpot_ms"]) == {"40/1", "40/2"} for r in runs.values()), runs
+    for m in built[:2]:  # one graph each, called directly: no retrace after the reset
+        assert m.runner.backend.model is not None and len(m.runner.backend.compiled) == 1
+        assert m.runner.compiled.direct
 
 
 def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(model, monkeypatch, fresh_dynamo):

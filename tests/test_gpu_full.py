@@ -120,10 +120,10 @@ def test_the_memory_estimate_covers_full_graphs_whose_attention_splits_for_the_l
     assert took <= 1.5 * est.total_gib + 0.125, (summary, est)
 
 
-def test_the_decode_bench_takes_a_floor_at_every_point_after_releasing_the_tracing(tmp_path):
-    """The decode bench releases the CUDA tracing after each point's floors, and the next
-    point's floor re-attaches it: every point of every mode still has a floor, a host
-    profile, and a step the same as the first mode's."""
+def test_the_decode_bench_takes_a_floor_at_every_point_after_all_its_timing(tmp_path):
+    """The decode bench times every point first, then takes each point's floors with the
+    CUDA tracing kept attached from one session to the next: every point of every mode
+    has a floor, a host profile, and a step the same as the first mode's."""
     import json
 
     from replay_backend.reference import cli

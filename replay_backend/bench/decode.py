@@ -10,7 +10,9 @@ the steps it does not target.
 
 Modes: this backend's ``piecewise`` and ``full_and_piecewise`` (built first, timed in
 turns point by point, so a slow phase of the host falls on both alike), then torch's
-own ``reduce-overhead`` (CUDA graph trees), which resets Dynamo and runs alone.
+own ``reduce-overhead`` (CUDA graph trees), which resets Dynamo and is timed alone.
+Every floor and profile follows all of that timing: a profiler session slows the
+process's later launches (CudaTracing).
 """
 from __future__ import annotations
 
@@ -129,7 +131,9 @@ def _build(mode: str, model, kw: dict, args, cache: PieceCache) -> Mode:
     return Mode(run, runner)
 
 
-def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: CudaTracing) -> None:
+def _decode_point(modes: list[Mode], context: int, conc: int, args) -> None:
+    """Every mode's steps at one point, timed in turns, and the host profiles asked for
+    (cProfile: no CUDA tracing)."""
     point = f"{context}/{conc}"
     live = {id(m): m.start(f"d{context}x{conc}", context, conc) for m in modes}
     first = None
@@ -149,31 +153,38 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args, tracing: Cud
         m.run.build_ms[point] = statistics.median(t[1] for t in times[id(m)])
         m.run.host_ms[point] = statistics.median(t[2] for t in times[id(m)])
         m.run.pipelined_ms[point] = m.pipelined(live[id(m)], args.steps)
-    # Profiles and floors once every mode is timed, cProfile's before any CUDA tracing:
-    # tracing left attached slows the host's CUDA calls (a graph launch most), and the
-    # release after them keeps it off the next point's times.
-    profiled = point in args.profile_points
-    step = {id(m): functools.partial(m.step_ms, live[id(m)]) for m in modes}
-    if args.host_profile_out and profiled:
+    if args.host_profile_out and point in args.profile_points:
         for m in modes:
-            host_profile_to(args.host_profile_out, f"{m.run.mode} decode {point}", step[id(m)], args.steps)
-    for m in modes:
-        if args.profile_out and profiled:
-            profile_to(args.profile_out, f"{m.run.mode} decode {point}", step[id(m)], args.trace_dir, tracing)
-        if torch.cuda.is_available():
-            try:
-                m.run.floor_ms[point] = kernel_floor_ms(step[id(m)], tracing)
-            except NoKernelsRecorded as e:
-                print(f"{m.run.mode} {point}: no floor: {e}", flush=True)
-    tracing.release()
+            host_profile_to(args.host_profile_out, f"{m.run.mode} decode {point}",
+                            functools.partial(m.step_ms, live[id(m)]), args.steps)
     for m in modes:
         m.end(live[id(m)])
     print(f"decode {point}: " + ", ".join(f"{m.run.mode} {m.run.tpot_ms[point]:.2f} ms "
                                           f"(queued {m.run.pipelined_ms[point]:.2f}, "
                                           f"build {m.run.build_ms[point]:.2f}, "
-                                          f"host {m.run.host_ms[point]:.2f}) "
-                                          f"(floor {m.run.floor_ms.get(point, float('nan')):.2f}, "
-                                          f"{m.run.kinds.get(point)})" for m in modes), flush=True)
+                                          f"host {m.run.host_ms[point]:.2f}, {m.run.kinds.get(point)})"
+                                          for m in modes), flush=True)
+
+
+def _floor_point(modes: list[Mode], context: int, conc: int, args, tracing: CudaTracing) -> None:
+    """Every mode's profile (where asked for) and kernel floor of one decode step at one
+    point, its requests cached anew."""
+    point = f"{context}/{conc}"
+    live = {id(m): m.start(f"f{context}x{conc}", context, conc) for m in modes}
+    for m in modes:
+        step = functools.partial(m.step_ms, live[id(m)])
+        step()  # the point's first step, as the timed steps' warm-up
+        if args.profile_out and point in args.profile_points:
+            profile_to(args.profile_out, f"{m.run.mode} decode {point}", step, args.trace_dir, tracing)
+        if torch.cuda.is_available():
+            try:
+                m.run.floor_ms[point] = kernel_floor_ms(step, tracing)
+            except NoKernelsRecorded as e:
+                print(f"{m.run.mode} {point}: no floor: {e}", flush=True)
+        m.end(live[id(m)])
+    if torch.cuda.is_available():
+        print(f"floors {point}: " + ", ".join(f"{m.run.mode} {m.run.floor_ms.get(point, float('nan')):.2f} ms"
+                                              for m in modes), flush=True)
 
 
 def _mixed_point(modes: list[Mode], tokens: int, args) -> None:
@@ -218,16 +229,23 @@ def _prefill_points(modes: list[Mode], args) -> None:
 
 
 def _measure(modes: list[Mode], args) -> None:
+    """Every point of every mode, timed: decode, mixed and prefill steps."""
+    for context in args.context:
+        for conc in args.conc:
+            _decode_point(modes, context, conc, args)
+    for tokens in args.mixed:
+        _mixed_point(modes, tokens, args)
+    _prefill_points(modes, args)
+
+
+def _floors(modes: list[Mode], args) -> None:
+    """Every decode point's floors and profiles, after the process's last timed step: a
+    profiler session slows the process's later launches (CudaTracing)."""
     tracing = CudaTracing()
-    try:
-        for context in args.context:
-            for conc in args.conc:
-                _decode_point(modes, context, conc, args, tracing)
-        for tokens in args.mixed:
-            _mixed_point(modes, tokens, args)
-        _prefill_points(modes, args)
-    finally:
-        tracing.release()
+    for context in args.context:
+        for conc in args.conc:
+            if torch.cuda.is_available() or (args.profile_out and f"{context}/{conc}" in args.profile_points):
+                _floor_point(modes, context, conc, args, tracing)
 
 
 def cache_size(args) -> tuple[int, int]:
@@ -256,16 +274,24 @@ def run_decode_bench(args) -> dict:
             runs.append(DecodeRun(mode, error=mode_failed(mode, e)))
     runs += [m.run for m in ours]
     _measure(ours, args)
-    ours.clear()
+    peer = None
     if PEER in args.modes:
         run = DecodeRun(PEER)
         try:
+            # After this backend's modes, since it resets Dynamo: their runners dispatch
+            # without it, and stay for their floors, which follow every timed step.
             peer = _build(PEER, model, kw, args, cache)
             run = peer.run
             _measure([peer], args)
         except Exception as e:  # noqa: BLE001 - the peer's own failure is its entry, with what it measured
-            run.error = mode_failed(PEER, e)
+            run.error, peer = mode_failed(PEER, e), None
         runs.append(run)
+    _floors(ours, args)
+    if peer is not None:
+        try:
+            _floors([peer], args)
+        except Exception as e:  # noqa: BLE001 - as above
+            peer.run.error = mode_failed(PEER, e)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "results": [asdict(r) for r in runs]}

@@ -86,6 +86,11 @@ def render(report: dict) -> str:
     if drift:
         lines.append(f"\nWARNING: the logits of {', '.join(drift)} drift from the model (beyond the rounding "
                      "noise around its fp32 copy): their times are not results")
+    late = [f"{r['setting']}/{r['mode']}" for r in report["results"] if r.get("after_profiler")]
+    if late:
+        lines.append(f"\nNOTE: {', '.join(late)} timed after a profiler session of this process, which slows every "
+                     "later CUDA launch on the host (a graph's most): their host-bound points read slow. Time them "
+                     "in a process of their own to compare (docs/benchmarks.md, How it measures)")
     by = {(r["setting"], r["mode"]): r for r in report["results"]}
     graphed = {s for (s, m) in by if m not in UNGRAPHED}
     for setting in ("default", "wide"):

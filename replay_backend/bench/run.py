@@ -27,7 +27,7 @@ from .flops import measured_peak, point_flops
 from .modes import (MODE_OPTIONS, SharedTrace, backend_config, bench_model, build_shared_mode, mode_failed, plan_modes,
                     prepare_mode, release_memory)
 from .report import MODES, render  # noqa: F401  (bench.MODES, bench.render: the CLI's and tests')
-from .timing import ModeRun, TimedMode, time_points
+from .timing import ModeRun, TimedMode, floor_points, time_points
 from .watch import Deadline, host_probe
 from .ranks import Ranks, agreement_us
 
@@ -43,14 +43,17 @@ def check_tokens(shapes) -> int:
     return min(min(isl for isl, _ in shapes), CHECK_MAX_TOKENS)
 
 
-def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ranks | None = None) -> dict:
+def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ranks | None = None,
+              after_profiler: bool = False) -> dict:
     """Every mode at every point; returns the report. ``checkpoint(report)``, when given,
     gets the report so far once this backend's modes are ready, after each timed point
     and after the stock peer's compile, so that a run stopped by an outer time limit
     still leaves what it measured. ``fp32_results``: the accuracy gate's fp32 results,
     shared by the passes of one command (reference/accuracy.yardstick). ``ranks``: this
     rank's place over several ranks (bench/ranks.py); each rank runs every point on
-    its own prompts, and the report holds every rank's floors."""
+    its own prompts, and the report holds every rank's floors. ``after_profiler``: an
+    earlier pass of this process ran profiler sessions (every mode is marked so); the
+    report's ``profiled`` says whether this one did."""
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     if not shapes:
         raise ValueError(f"every ISL x concurrency point is above --max-tokens-per-point "
@@ -87,6 +90,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     trace_s = None
     probes: dict = {}
     over_ranks: dict = {}
+    profiled = False
 
     def report() -> dict:
         out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -97,7 +101,8 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
                "peak_tflops": peak / 1e12, "point_gflop": gflop,
                "host_probe": probes, "check_tokens": check_len, "plain_err_vs_fp32": gate.plain_err,
                "noise_err_vs_fp32": gate.noise_err, "drift_limit": gate.limit,
-               "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None}
+               "trim_host_us_median": statistics.median(trim_host_us) if trim_host_us else None,
+               "profiled": profiled}
         if ranks is not None:
             out.update(topology=ranks.topo.as_dict(), floor_ms_by_rank=over_ranks.get("floors"),
                        agree_us_median=over_ranks.get("agree_us"))
@@ -109,7 +114,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
 
     def prepare(mode: str, setting: str) -> TimedMode | None:
         nonlocal trace_s
-        run = ModeRun(mode, setting)
+        run = ModeRun(mode, setting, after_profiler=after_profiler)
         results.append(run)
         try:
             runner, traced = prepare_mode(run, model, kw, shared, shared_fwd, device)
@@ -133,21 +138,24 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
               f"rel L2 {run.rel_err_vs_fp32:.3g} vs the fp32 copy" + (" (DRIFT)" if run.drifted else ""), flush=True)
         return TimedMode(run, runner, shared if mode in MODE_OPTIONS else None)
 
-    # This backend's modes (and eager) built and captured first, then timed in turns.
+    # This backend's modes (and eager) built and captured first, then timed in turns,
+    # then their floors and profiles: a profiler session slows the process's later
+    # launches (CudaTracing), so nothing of theirs is timed after one.
     ours = [m for m in (prepare(*ms) for ms in plan if ms[0] != "reduce-overhead") if m is not None]
     probes["start"] = host_probe()
     print(f"host speed at start: {probes['start']}", flush=True)
     save()
-    time_points(ours, shapes, deadline, args, device, floors, trim_host_us, done=save,
-                fail_fast=ranks is not None)  # as in prepare: a failure ends the run
+    fail_fast = ranks is not None  # as in prepare: a failure ends the run
+    timed = time_points(ours, shapes, deadline, args, trim_host_us, done=save, fail_fast=fail_fast)
     probes["end"] = host_probe()
+    if ranks is not None and ranks.backend_groups["dp_group"] is not None:  # else no step agrees: TP alone
+        over_ranks["agree_us"] = agreement_us(ranks)
+        print(f"per-step agreement of the data-parallel ranks: median {over_ranks['agree_us']:.1f} us", flush=True)
+    profiled = floor_points(timed, deadline, args, device, floors, done=save, fail_fast=fail_fast)
     if ranks is not None:
         over_ranks["floors"] = ranks.gather(floors)
-        if ranks.backend_groups["dp_group"] is not None:  # else no step agrees: tensor parallel alone
-            over_ranks["agree_us"] = agreement_us(ranks)
-            print(f"per-step agreement of the data-parallel ranks: median {over_ranks['agree_us']:.1f} us",
-                  flush=True)
     ours.clear()
+    timed.modes.clear()
     shared.backends.clear()  # their graphs and buffers go before the peer compiles
     release_memory()
     for ms in plan:
@@ -158,7 +166,11 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
             peer = prepare(*ms)
             save()
             if peer is not None:
-                time_points([peer], shapes, deadline, args, device, floors, trim_host_us, done=save)
+                # Its own profiles follow its timing; this backend's floors came before.
+                peer.run.after_profiler = after_profiler or profiled
+                timed = time_points([peer], shapes, deadline, args, trim_host_us, done=save)
+                profiled |= floor_points(timed, deadline, args, device, floors, done=save)
+                timed.modes.clear()
             peer = None
             release_memory()
     for run in results:

@@ -54,6 +54,9 @@ class ModeRun:
     max_abs_err_vs_eager: float | None = None  # last-row logits of one prompt vs the plain model
     rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
     drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (reference/accuracy.py)
+    # timed after a profiler session of this process, which slowed its launches on the
+    # host (CudaTracing): the stock peer after this backend's floors, a later --attention pass
+    after_profiler: bool = False
     error: str | None = None
 
 
@@ -179,16 +182,23 @@ def _add_events(into: dict, moved: dict) -> None:
             into[name] = into.get(name, 0) + delta
 
 
-def time_points(modes: list[TimedMode], shapes, deadline: "Deadline | float", args, device: str, floors: dict,
-                 trim_host_us: list, done: Callable[[], None] | None = None, fail_fast: bool = False) -> None:
-    """Every point for every mode, then the floors and profiles of the points timed. The
-    profiler comes after all timing: CUDA tracing left attached after a session makes the
-    host's later CUDA calls slower, which would fall on every point timed after it; the
-    sessions keep it attached from one to the next and it is released after the last
-    (CudaTracing). A mode that fails leaves the rotation with its error;
-    nothing new starts after ``deadline``. ``done()`` runs after each point's timing and
-    after its floors and profiles. ``fail_fast``: a mode that fails ends the run (its
-    error raised) instead of leaving the rotation."""
+@dataclass
+class Timed:
+    """What a timing phase leaves for its floors: the modes still in the rotation (a
+    mode that failed left it) and the points they were timed at."""
+
+    modes: list[TimedMode]
+    points: list[tuple[int, int]]
+
+
+def time_points(modes: list[TimedMode], shapes, deadline: "Deadline | float", args, trim_host_us: list,
+                done: Callable[[], None] | None = None, fail_fast: bool = False) -> Timed:
+    """Every point for every mode, timed, and no profiler session: their floors and
+    profiles come after the process's last timed step (:func:`floor_points`;
+    CudaTracing says why). A mode that fails leaves the rotation with its error;
+    nothing new starts after ``deadline``. ``done()`` runs after each point.
+    ``fail_fast``: a mode that fails ends the run (its error raised) instead of leaving
+    the rotation."""
     if not isinstance(deadline, Deadline):
         deadline = Deadline(deadline)
     timed = []
@@ -206,23 +216,34 @@ def time_points(modes: list[TimedMode], shapes, deadline: "Deadline | float", ar
                 modes = _drop(modes, f, fail_fast)
         if done is not None:
             done()
-    tracing = CudaTracing()  # before the sessions, which set what it reads
-    try:
-        for isl, conc in timed:
-            if deadline.passed():
-                print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
-                break
-            profiled = False
-            for m in list(modes):
-                try:
-                    profiled |= profile_mode(m, isl, conc, args, device, floors, tracing)
-                except ModeFailed as f:  # inside a profiler session: profile_mode runs steps only there
-                    profiled = True
-                    modes = _drop(modes, f, fail_fast)
-            if done is not None and profiled:
-                done()
-    finally:
-        tracing.release()
+    return Timed(modes, timed)
+
+
+def floor_points(timed: Timed, deadline: "Deadline | float", args, device: str, floors: dict,
+                 done: Callable[[], None] | None = None, fail_fast: bool = False) -> bool:
+    """The floors and profiles of the points of ``timed``, one session after another
+    (CudaTracing keeps the tracing attached between them); nothing new starts after
+    ``deadline``. ``done()`` runs after each point that profiled anything. Returns
+    whether any session traced CUDA, which slows what the process times after it."""
+    if not isinstance(deadline, Deadline):
+        deadline = Deadline(deadline)
+    tracing = CudaTracing()
+    modes, any_session = timed.modes, False
+    for isl, conc in timed.points:
+        if deadline.passed():
+            print(f"time budget spent (--max-seconds): no floors or profiles from {isl}/{conc} on", flush=True)
+            break
+        profiled = False
+        for m in list(modes):
+            try:
+                profiled |= profile_mode(m, isl, conc, args, device, floors, tracing)
+            except ModeFailed as f:  # inside a profiler session: profile_mode runs steps only there
+                profiled = True
+                modes = _drop(modes, f, fail_fast)
+        any_session |= profiled and device == "cuda"
+        if done is not None and profiled:
+            done()
+    return any_session
 
 
 def _drop(modes: list[TimedMode], failed: ModeFailed, fail_fast: bool = False) -> list[TimedMode]:

@@ -144,7 +144,8 @@ def bench_passes(args, ranks=None) -> int:
         run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
         torch._dynamo.reset()  # each implementation traces its own model
         done.append(bench.run_bench(run, checkpoint=(lambda partial: _write_report(args, [*done, partial]))
-                                    if lead else None, fp32_results=fp32_results, ranks=ranks))
+                                    if lead else None, fp32_results=fp32_results, ranks=ranks,
+                                    after_profiler=any(rep["profiled"] for rep in done)))
     if lead:
         print(_write_report(args, done))
     return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
