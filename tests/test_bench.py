@@ -593,6 +593,14 @@ def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(m
     assert len(marked) == 1 and marked[0][0].shape[0] == model.cfg.window
 
 
+def test_the_decode_bench_of_the_stock_peer_alone_prints_its_points_only(tmp_path, capsys, monkeypatch):
+    """No line for the modes not asked for: each progress line names a mode's time."""
+    monkeypatch.setattr(decode_bench, "stock_peer", _plain_peer)
+    assert _tiny_decode_bench(tmp_path / "d.json", "1", 1, "reduce-overhead") == 0
+    progress = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("decode 40", "mixed", "prefill"))]
+    assert len(progress) == 3 and all("reduce-overhead" in ln for ln in progress), progress
+
+
 def test_a_peer_that_fails_while_measured_is_one_entry_with_its_error(tmp_path, capsys, monkeypatch):
     """The stock peer built, then failed at its first point (as torch's own compile can):
     its one report entry carries the error, the tables of the other modes still print,

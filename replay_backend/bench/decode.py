@@ -230,6 +230,8 @@ def _prefill_points(modes: list[Mode], args) -> None:
 
 def _measure(modes: list[Mode], args) -> None:
     """Every point of every mode, timed: decode, mixed and prefill steps."""
+    if not modes:  # none of this backend's modes asked for, or none built
+        return
     for context in args.context:
         for conc in args.conc:
             _decode_point(modes, context, conc, args)
@@ -241,6 +243,8 @@ def _measure(modes: list[Mode], args) -> None:
 def _floors(modes: list[Mode], args) -> None:
     """Every decode point's floors and profiles, after the process's last timed step: a
     profiler session slows the process's later launches (CudaTracing)."""
+    if not modes:
+        return
     tracing = CudaTracing()
     for context in args.context:
         for conc in args.conc:
