@@ -1,10 +1,11 @@
 """Whether a process's host launches get their speed back after a profiler session.
 
-A benchmark that takes kernel floors with torch's profiler between timed points needs
-the CUDA tracing the profiler attaches to be gone before the next point: attached, it
-slows the host's CUDA calls. Each scenario of --scenarios runs in a fresh process and
-prints the host's time to launch a CUDA graph of --nodes small kernels and one eager
-kernel, before any profiler session and after each of its phases:
+A profiler session attaches CUDA tracing, which slows the host's CUDA launches; this
+shows whether they recover once the session has ended, torn down or not (they did
+not, on an H100: so the benchmarks take every floor after their last timed step).
+Each scenario of --scenarios runs in a fresh process and prints the host's time to
+launch a CUDA graph of --nodes small kernels and one eager kernel, from an idle GPU,
+before any profiler session and after each of its phases:
 
 * ``attached``: a session of the bench's ``CudaTracing``, its tracing left attached;
 * ``plain``: a plain ``torch.profiler.profile`` session, torn down at its end (Kineto's

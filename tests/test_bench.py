@@ -562,6 +562,7 @@ def test_the_decode_bench_times_every_step_before_any_profiler_session(tmp_path,
         monkeypatch.setattr(decode_bench, name, logged("timed", getattr(decode_bench, name)))
     monkeypatch.setattr(decode_bench, "host_profile_to", logged("host", decode_bench.host_profile_to))
     monkeypatch.setattr(decode_bench, "profile_to", logged("session", decode_bench.profile_to))
+    monkeypatch.setattr(decode_bench, "kernel_floor_ms", logged("session", decode_bench.kernel_floor_ms))
     monkeypatch.setattr(decode_bench, "stock_peer", _plain_peer)
     built = []
     real_build = decode_bench._build
@@ -591,6 +592,28 @@ def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(m
     runner.prefill({"a": 20})
     runner.step([RequestChunk("a", 1, 21)])
     assert len(marked) == 1 and marked[0][0].shape[0] == model.cfg.window
+
+
+def test_a_decode_floor_that_fails_leaves_the_modes_times_and_says_why(tmp_path, capsys, monkeypatch):
+    """Floors follow every timed step: one that fails (here its profile) is that point's
+    NO FLOOR entry, and the mode's times stand."""
+    real = decode_bench.profile_to
+
+    def profile_to(path, title, *a):
+        if title.startswith("full_and_piecewise"):
+            raise RuntimeError("out of memory in the profiler")
+        return real(path, title, *a)
+
+    monkeypatch.setattr(decode_bench, "profile_to", profile_to)
+    out = tmp_path / "d.json"
+    assert _tiny_decode_bench(out, "1", 1, "piecewise,full_and_piecewise", "--profile-points", "40/1",
+                              "--profile-out", str(tmp_path / "p.txt")) == 0
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert runs["full_and_piecewise"]["floor_errors"] == {"40/1": "RuntimeError: out of memory in the profiler"}
+    assert not runs["piecewise"]["floor_errors"] and not runs["full_and_piecewise"]["error"]
+    assert set(runs["full_and_piecewise"]["tpot_ms"]) == {"40/1"}
+    printed = capsys.readouterr().out
+    assert "NO FLOOR where the table shows none" in printed and "- full_and_piecewise 40/1: RuntimeError" in printed
 
 
 def test_the_decode_bench_of_the_stock_peer_alone_prints_its_points_only(tmp_path, capsys, monkeypatch):

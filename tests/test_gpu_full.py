@@ -121,9 +121,10 @@ def test_the_memory_estimate_covers_full_graphs_whose_attention_splits_for_the_l
 
 
 def test_the_decode_bench_takes_a_floor_at_every_point_after_all_its_timing(tmp_path):
-    """The decode bench times every point first, then takes each point's floors with the
-    CUDA tracing kept attached from one session to the next: every point of every mode
-    has a floor, a host profile, and a step the same as the first mode's."""
+    """The decode bench times every point of every mode first, the stock peer's after a
+    Dynamo reset, then takes each point's floors with the CUDA tracing kept attached
+    from one session to the next: every point of every mode has a floor and a step the
+    same as the first mode's, and a host profile at each profiled point."""
     import json
 
     from replay_backend.reference import cli
@@ -132,11 +133,12 @@ def test_the_decode_bench_takes_a_floor_at_every_point_after_all_its_timing(tmp_
     assert cli.main(["decode-bench", "--preset", "tiny", "--model-option", "num_layers=8", "--model-option",
                      "kv_source_layer_ids=1,3", "--context", "200", "--conc", "1,4", "--mixed", "24",
                      "--prefill-isl", "256", "--steps", "3", "--runs", "1", "--warmup", "1",
-                     "--max-num-batched-tokens", "512", "--modes", "piecewise,full_and_piecewise",
+                     "--max-num-batched-tokens", "512", "--modes", "piecewise,full_and_piecewise,reduce-overhead",
                      "--profile-points", "200/1,200/4", "--host-profile-out", str(host), "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["results"]
     for r in runs:
-        assert not r["error"] and set(r["floor_ms"]) == {"200/1", "200/4"}, r
+        assert not r["error"] and not r["floor_errors"] and set(r["floor_ms"]) == {"200/1", "200/4"}, r
         assert all(0 < f <= r["tpot_ms"][p] for p, f in r["floor_ms"].items()), r
         assert max(r["max_abs_err_vs_first"].values()) < 0.05, r  # bf16
-    assert host.read_text().count("######## ") == 4
+    assert [r["mode"] for r in runs] == ["piecewise", "full_and_piecewise", "reduce-overhead"]
+    assert host.read_text().count("######## ") == 6

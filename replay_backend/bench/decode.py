@@ -63,6 +63,7 @@ class DecodeRun:
     mixed_ms: dict = field(default_factory=dict)  # "tokens" -> median step ms
     ttft_ms: dict = field(default_factory=dict)  # "isl" -> median prefill ms (c1)
     max_abs_err_vs_first: dict = field(default_factory=dict)  # "context/conc" -> vs the first mode's logits
+    floor_errors: dict = field(default_factory=dict)  # "context/conc" -> why the point has no floor
     error: str | None = None
 
 
@@ -167,24 +168,32 @@ def _decode_point(modes: list[Mode], context: int, conc: int, args) -> None:
 
 
 def _floor_point(modes: list[Mode], context: int, conc: int, args, tracing: CudaTracing) -> None:
-    """Every mode's profile (where asked for) and kernel floor of one decode step at one
-    point, its requests cached anew."""
+    """Each mode's profile (where asked for) and kernel floor of one decode step at one
+    point, its requests cached anew. A mode whose floor fails keeps its times: the
+    failure is its ``floor_errors`` entry for the point."""
     point = f"{context}/{conc}"
-    live = {id(m): m.start(f"f{context}x{conc}", context, conc) for m in modes}
     for m in modes:
-        step = functools.partial(m.step_ms, live[id(m)])
-        step()  # the point's first step, as the timed steps' warm-up
-        if args.profile_out and point in args.profile_points:
-            profile_to(args.profile_out, f"{m.run.mode} decode {point}", step, args.trace_dir, tracing)
-        if torch.cuda.is_available():
-            try:
+        ids: list[str] = []
+        try:
+            ids = m.start(f"f{context}x{conc}", context, conc)
+            step = functools.partial(m.step_ms, ids)
+            step()  # the point's first step, as the timed steps' warm-up
+            if args.profile_out and point in args.profile_points:
+                profile_to(args.profile_out, f"{m.run.mode} decode {point}", step, args.trace_dir, tracing)
+            if torch.cuda.is_available():
                 m.run.floor_ms[point] = kernel_floor_ms(step, tracing)
-            except NoKernelsRecorded as e:
-                print(f"{m.run.mode} {point}: no floor: {e}", flush=True)
-        m.end(live[id(m)])
-    if torch.cuda.is_available():
-        print(f"floors {point}: " + ", ".join(f"{m.run.mode} {m.run.floor_ms.get(point, float('nan')):.2f} ms"
-                                              for m in modes), flush=True)
+        except NoKernelsRecorded as e:
+            m.run.floor_errors[point] = str(e)
+        except Exception as e:  # noqa: BLE001 - after every timed step, which the failure leaves standing
+            m.run.floor_errors[point] = mode_failed(f"{m.run.mode} floor at {point}", e)
+        finally:
+            if ids:
+                m.end(ids)
+    if not torch.cuda.is_available() and not any(point in m.run.floor_errors for m in modes):
+        return  # profiles only: no floor to tell
+    print(f"floors {point}: " + ", ".join(
+        f"{m.run.mode} " + (f"{m.run.floor_ms[point]:.2f} ms" if point in m.run.floor_ms
+                            else f"none ({m.run.floor_errors.get(point, 'no CUDA')})") for m in modes), flush=True)
 
 
 def _mixed_point(modes: list[Mode], tokens: int, args) -> None:
@@ -228,13 +237,17 @@ def _prefill_points(modes: list[Mode], args) -> None:
               flush=True)
 
 
+def _points(args) -> list[tuple[int, int]]:
+    """The decode points: every ``--context`` with every ``--conc``."""
+    return [(context, conc) for context in args.context for conc in args.conc]
+
+
 def _measure(modes: list[Mode], args) -> None:
     """Every point of every mode, timed: decode, mixed and prefill steps."""
     if not modes:  # none of this backend's modes asked for, or none built
         return
-    for context in args.context:
-        for conc in args.conc:
-            _decode_point(modes, context, conc, args)
+    for context, conc in _points(args):
+        _decode_point(modes, context, conc, args)
     for tokens in args.mixed:
         _mixed_point(modes, tokens, args)
     _prefill_points(modes, args)
@@ -246,17 +259,16 @@ def _floors(modes: list[Mode], args) -> None:
     if not modes:
         return
     tracing = CudaTracing()
-    for context in args.context:
-        for conc in args.conc:
-            if torch.cuda.is_available() or (args.profile_out and f"{context}/{conc}" in args.profile_points):
-                _floor_point(modes, context, conc, args, tracing)
+    for context, conc in _points(args):
+        if torch.cuda.is_available() or (args.profile_out and f"{context}/{conc}" in args.profile_points):
+            _floor_point(modes, context, conc, args, tracing)
 
 
 def cache_size(args) -> tuple[int, int]:
     """The runners' ``max_model_len`` and ``max_num_seqs``: the longest context or prompt
     with the tokens every decode step of a point adds (even: blocks hold pairs), and the
     most requests of a point (nine at least: the mixed point's). A point's steps: warm-up,
-    timed, queued, the two profiled steps, and the host profile's."""
+    timed, queued and the host profile's; its floor's requests, cached anew, take three."""
     host_profiled = args.steps if args.host_profile_out else 0
     longest = max([*args.context, 1024, *args.prefill_isl]) + 2 * (args.warmup + args.steps + 2) + host_profiled + 2
     return longest + longest % 2, max(max(args.conc), 9)
@@ -290,42 +302,7 @@ def run_decode_bench(args) -> dict:
         except Exception as e:  # noqa: BLE001 - the peer's own failure is its entry, with what it measured
             run.error, peer = mode_failed(PEER, e), None
         runs.append(run)
-    _floors(ours, args)
-    if peer is not None:
-        try:
-            _floors([peer], args)
-        except Exception as e:  # noqa: BLE001 - as above
-            peer.run.error = mode_failed(PEER, e)
+    _floors(ours + ([peer] if peer is not None else []), args)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "results": [asdict(r) for r in runs]}
-
-
-def add_arguments(p) -> None:
-    """The command's arguments (``replay-backend decode-bench``)."""
-    from ..config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
-    from ..kv_cache import MAX_MODEL_LEN
-    from ..reference import cli_args
-
-    length = cli_args.int_list(1, MAX_MODEL_LEN - 2, why=cli_args.LEN_WHY)
-    tokens = dict(hi=MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS")
-    p.add_argument("--preset", default="mini-2k")
-    p.add_argument("--model-option", action="append", metavar="KEY=VALUE")
-    p.add_argument("--modes", type=cli_args.names(list(DECODE_MODES)), default=list(DECODE_MODES))
-    p.add_argument("--context", type=length, default=[1024, 8192],
-                   help="cached tokens per request at the decode points")
-    p.add_argument("--conc", type=cli_args.int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8, 64],
-                   help="requests per decode step")
-    p.add_argument("--mixed", type=cli_args.int_list(2, **tokens), default=[512], help="tokens of the mixed steps")
-    p.add_argument("--prefill-isl", type=length, default=[1024, 4096, 8192])
-    p.add_argument("--steps", type=cli_args.int_arg(1), default=30, help="timed steps per point")
-    p.add_argument("--runs", type=cli_args.int_arg(1), default=5, help="timed prompts per prefill point")
-    p.add_argument("--warmup", type=cli_args.int_arg(1), default=3)
-    p.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1, **tokens), default=8192)
-    p.add_argument("--out", help="write the JSON report here")
-    p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
-    p.add_argument("--host-profile-out", help="append where the host's time goes (cProfile) in --steps synchronised "
-                   "decode steps per mode at --profile-points here")
-    p.add_argument("--profile-points", type=cli_args.profile_points, default=[],
-                   help="CONTEXT/CONC points to profile, e.g. 1024/8")
-    p.add_argument("--trace-dir", metavar="DIR", help="keep each profiled step's Chrome trace here (gzipped)")

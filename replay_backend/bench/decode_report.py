@@ -37,4 +37,7 @@ def render(report: dict) -> str:
     for r in report["results"]:
         cap = "; ".join(f"{lvl} {c['graphs']} / {c['seconds']:.1f} / {c['gib']:.2f}" for lvl, c in r["capture"].items())
         lines.append(f"| {r['mode']} | {r['build_s']:.0f} | {cap or r['error'] or '-'} |")
+    missing = [f"- {r['mode']} {point}: {why}" for r in res for point, why in r.get("floor_errors", {}).items()]
+    if missing:
+        lines += ["", "NO FLOOR where the table shows none (the mode's times stand):", *missing]
     return "\n".join(lines)

@@ -89,8 +89,9 @@ def render(report: dict) -> str:
     late = [f"{r['setting']}/{r['mode']}" for r in report["results"] if r.get("after_profiler")]
     if late:
         lines.append(f"\nNOTE: {', '.join(late)} timed after a profiler session of this process, which slows every "
-                     "later CUDA launch on the host (a graph's most): their host-bound points read slow. Time them "
-                     "in a process of their own to compare (docs/benchmarks.md, How it measures)")
+                     "later CUDA launch on the host (a graph's most): their host-bound points, and a later pass's "
+                     "build and capture, read slow. Time them in a process of their own to compare "
+                     "(docs/benchmarks.md, How it measures)")
     by = {(r["setting"], r["mode"]): r for r in report["results"]}
     graphed = {s for (s, m) in by if m not in UNGRAPHED}
     for setting in ("default", "wide"):

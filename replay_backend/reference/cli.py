@@ -10,12 +10,12 @@ import time
 import torch
 
 from ..compat import dynamo as compat_dynamo
-from ..bench import decode as decode_bench
 from ..bench import run as bench
 from ..backend import ReplayBackend
 from . import cli_args
 from .batch_spec import GRAMMAR, parse_batch_spec
-from .cli_bench import _write_report, cmd_bench, cmd_decode_bench  # noqa: F401  (_write_report: the tests')
+from .cli_bench import add_decode_arguments, cmd_bench, cmd_decode_bench
+from .cli_bench import _write_report  # noqa: F401  (the tests')
 from .cli_options import backend_options
 from .compare import default_tolerance, max_abs_err, max_abs_err_kv
 from ..config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, ReplayConfig
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only trace and build the replay mode, print the seconds (cold/warm compile)")
     b.set_defaults(fn=cmd_bench)
     d = sub.add_parser("decode-bench", help="time per decode step (TPOT) of each graph mode (GPU)")
-    decode_bench.add_arguments(d)
+    add_decode_arguments(d)
     d.set_defaults(fn=cmd_decode_bench)
     return p
 

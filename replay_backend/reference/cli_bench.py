@@ -14,8 +14,37 @@ from ..bench.decode_report import render as render_decode
 from ..bench import modes as bench_modes
 from ..bench import ranks as bench_ranks
 from ..bench import run as bench
+from ..config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from ..kv_cache import MAX_MODEL_LEN
 from . import cli_args
 from .cli_options import model_config
+
+
+def add_decode_arguments(p) -> None:
+    """The arguments of ``replay-backend decode-bench``."""
+    length = cli_args.int_list(1, MAX_MODEL_LEN - 2, why=cli_args.LEN_WHY)
+    tokens = dict(hi=MAX_NUM_BATCHED_TOKENS, why="MAX_NUM_BATCHED_TOKENS")
+    p.add_argument("--preset", default="mini-2k")
+    p.add_argument("--model-option", action="append", metavar="KEY=VALUE")
+    modes = list(decode_bench.DECODE_MODES)
+    p.add_argument("--modes", type=cli_args.names(modes), default=modes)
+    p.add_argument("--context", type=length, default=[1024, 8192],
+                   help="cached tokens per request at the decode points")
+    p.add_argument("--conc", type=cli_args.int_list(1, MAX_NUM_SEQS, why="MAX_NUM_SEQS"), default=[1, 8, 64],
+                   help="requests per decode step")
+    p.add_argument("--mixed", type=cli_args.int_list(2, **tokens), default=[512], help="tokens of the mixed steps")
+    p.add_argument("--prefill-isl", type=length, default=[1024, 4096, 8192])
+    p.add_argument("--steps", type=cli_args.int_arg(1), default=30, help="timed steps per point")
+    p.add_argument("--runs", type=cli_args.int_arg(1), default=5, help="timed prompts per prefill point")
+    p.add_argument("--warmup", type=cli_args.int_arg(1), default=3)
+    p.add_argument("--max-num-batched-tokens", type=cli_args.int_arg(1, **tokens), default=8192)
+    p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--profile-out", help="append a profile of one decode step per mode at --profile-points here")
+    p.add_argument("--host-profile-out", help="append where the host's time goes (cProfile) in --steps synchronised "
+                   "decode steps per mode at --profile-points here")
+    p.add_argument("--profile-points", type=cli_args.profile_points, default=[],
+                   help="CONTEXT/CONC points to profile, e.g. 1024/8")
+    p.add_argument("--trace-dir", metavar="DIR", help="keep each profiled step's Chrome trace here (gzipped)")
 
 
 def cmd_decode_bench(args) -> int:
