@@ -271,7 +271,7 @@ def test_the_stock_peer_timed_after_profiled_floors_is_marked_so(monkeypatch):
         option=["compiler=eager"], modes=["off", "reduce-overhead"], settings=["default"],
         isl=[40], conc=[1], runs=1, warmup=0, max_num_batched_tokens=128,
         max_tokens_per_point=1000, max_seconds=600.0, profile_out=None, profile_points=[])
-    report = bench.run_bench(args)
+    report = bench.run_bench(args, peer_process=False)
     assert order == ["time off", "floors off", "time reduce-overhead", "floors reduce-overhead"]
     runs = {r["mode"]: r for r in report["results"]}
     assert runs["reduce-overhead"]["after_profiler"] and not runs["off"]["after_profiler"]
@@ -279,20 +279,61 @@ def test_the_stock_peer_timed_after_profiled_floors_is_marked_so(monkeypatch):
     assert "NOTE: default/reduce-overhead timed after a profiler session of this process" in bench.render(report)
 
 
-def test_a_later_attention_pass_is_marked_timed_after_the_profiler_of_an_earlier_one(monkeypatch):
+def test_the_stock_peer_after_floors_runs_in_a_process_of_its_own(monkeypatch, tmp_path):
+    """Where this backend's floors traced CUDA, the stock peer (torch's own compile, here
+    on the CPU) runs its whole bench in a spawned process, untouched by them: its entry
+    and its profiles come back, not marked."""
+    from replay_backend.bench import own_process
+
+    real_floor, real_call, calls = bench.floor_points, own_process.call, []
+
+    def call(fn, *a):
+        calls.append(fn)
+        return real_call(fn, *a)
+
+    monkeypatch.setattr(bench, "floor_points", lambda *a, **k: real_floor(*a, **k) or True)  # as on a GPU
+    monkeypatch.setattr(own_process, "call", call)
+    args = SimpleNamespace(
+        preset="tiny", model_option=["num_layers=2", "kv_source_layer_ids=1", "window=16"],
+        option=["compiler=eager"], modes=["off", "reduce-overhead"], settings=["default"],
+        isl=[40], conc=[1], runs=1, warmup=0, max_num_batched_tokens=128, max_tokens_per_point=1000,
+        max_seconds=600.0, profile_out=str(tmp_path / "prof.md"), profile_points=["40/1"])
+    report = bench.run_bench(args)
+    runs = {r["mode"]: r for r in report["results"]}
+    assert calls == [bench.run_bench]
+    peer = runs["reduce-overhead"]
+    assert not peer["error"] and set(peer["ms"]) == {"40/1"} and not peer["after_profiler"], peer
+    assert peer["rel_err_vs_fp32"] is not None and not peer["drifted"]
+    assert (tmp_path / "prof.md").read_text().count("######## ") == 2  # off's, then the peer's process's
+    assert "NOTE:" not in bench.render(report)
+
+
+@pytest.mark.parametrize("ranks", [None, SimpleNamespace(lead=True)])
+def test_an_attention_pass_after_a_profiled_one_runs_apart_or_is_marked(monkeypatch, ranks):
+    """A pass after one whose floors traced CUDA runs in a process of its own; over
+    several ranks, whose groups stay in their processes, in this one, marked."""
+    from replay_backend.bench import own_process
     from replay_backend.reference import cli_bench
 
     seen = []
 
     def run_bench(run, checkpoint=None, fp32_results=None, ranks=None, after_profiler=False):
-        seen.append((run.model_option[-1], after_profiler))
+        seen.append(("here", run.model_option[-1], after_profiler))
+        return {"profiled": True, "results": []}
+
+    def call(fn, run, checkpoint):
+        assert fn is cli_bench.bench.run_bench and checkpoint is not None
+        seen.append(("own process", run.model_option[-1], False))
         return {"profiled": True, "results": []}
 
     monkeypatch.setattr(cli_bench.bench, "run_bench", run_bench)
+    monkeypatch.setattr(own_process, "call", call)
     monkeypatch.setattr(cli_bench, "_write_report", lambda args, reports: "")
     args = SimpleNamespace(attention=["flashinfer", "triton"], model_option=[], max_seconds=100.0)
-    assert cli_bench.bench_passes(args) == 0
-    assert seen == [("attention_impl=flashinfer", False), ("attention_impl=triton", True)]
+    assert cli_bench.bench_passes(args, ranks) == 0
+    second = ("own process", "attention_impl=triton", False) if ranks is None else ("here", "attention_impl=triton",
+                                                                                   True)
+    assert seen == [("here", "attention_impl=flashinfer", False), second]
 
 
 def test_model_options_take_one_layer_id_as_a_list_of_one():

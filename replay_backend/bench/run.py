@@ -1,18 +1,21 @@
 """``replay-backend bench``: prefill-only step latency of every mode.
 
-All modes run in one process on the same model (over several ranks, in every rank's
-process on its share of it: bench/ranks.py). A measurement is the TTFT of
+This backend's modes run in one process on the same model (over several ranks, in
+every rank's process on its share of it: bench/ranks.py). A measurement is the TTFT of
 ``concurrency`` prompts of ``isl`` tokens with ``max_tokens=1``: every chunked-prefill
 step (``max_num_batched_tokens`` per step) from the first to the last, synchronised;
 the median of ``runs`` measurements after ``warmup`` ones. This backend's modes are
 all built and captured first, then timed in turns (run k of every mode before run
-k + 1 of any), so a slow phase of the host or the GPU hits every mode alike; the
-stock ``reduce-overhead`` peer runs after them on its own.
+k + 1 of any), so a slow phase of the host or the GPU hits every mode alike; then
+their floors. The stock ``reduce-overhead`` peer runs after them on its own, in a
+process of its own where their floors traced CUDA.
 """
 from __future__ import annotations
 
+import copy
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict
 
@@ -23,6 +26,7 @@ from ..compiling.piece_cache import PieceCache
 from ..reference.accuracy import CHECK, yardstick
 from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
+from . import own_process
 from .flops import measured_peak, point_flops
 from .modes import (MODE_OPTIONS, SharedTrace, backend_config, bench_model, build_shared_mode, mode_failed, plan_modes,
                     prepare_mode, release_memory)
@@ -44,7 +48,7 @@ def check_tokens(shapes) -> int:
 
 
 def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ranks | None = None,
-              after_profiler: bool = False) -> dict:
+              after_profiler: bool = False, peer_process: bool | None = None) -> dict:
     """Every mode at every point; returns the report. ``checkpoint(report)``, when given,
     gets the report so far once this backend's modes are ready, after each timed point
     and after the stock peer's compile, so that a run stopped by an outer time limit
@@ -53,7 +57,9 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     rank's place over several ranks (bench/ranks.py); each rank runs every point on
     its own prompts, and the report holds every rank's floors. ``after_profiler``: an
     earlier pass of this process ran profiler sessions (every mode is marked so); the
-    report's ``profiled`` says whether this one did."""
+    report's ``profiled`` says whether this one did. ``peer_process``: the stock peer
+    runs in a process of its own (bench/own_process.py), untouched by the floors
+    before it; by default where any traced CUDA."""
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     if not shapes:
         raise ValueError(f"every ISL x concurrency point is above --max-tokens-per-point "
@@ -163,6 +169,10 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
             if deadline.passed():  # its compile alone takes minutes
                 results.append(ModeRun(*ms, error="time budget spent (--max-seconds) before its compile"))
                 continue
+            if (profiled or after_profiler) if peer_process is None else peer_process:
+                results.append(_peer_in_own_process(args, deadline.left(), floors))
+                save()
+                continue
             peer = prepare(*ms)
             save()
             if peer is not None:
@@ -176,6 +186,22 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     for run in results:
         print(json.dumps(asdict(run)), flush=True)
     return report()
+
+
+def _peer_in_own_process(args, seconds: float, floors: dict) -> ModeRun:
+    """The stock peer's bench (its check prompt, points and profiles) in a fresh
+    process, within ``seconds``: its report entry, its floors merged into ``floors``."""
+    peer_args = copy.copy(args)
+    peer_args.modes, peer_args.max_seconds = ["reduce-overhead"], seconds
+    try:
+        report = own_process.call(run_bench, peer_args, None, None, None, False, False)
+    except own_process.OwnProcessFailed as e:
+        print(f"reduce-overhead: failed in its own process:\n{e}", file=sys.stderr, flush=True)
+        return ModeRun("reduce-overhead", "default", error=str(e).strip().splitlines()[-1][:500])
+    for setting, by_point in report["floor_ms"].items():
+        floors.setdefault(setting, {}).update(by_point)
+    (run,) = (ModeRun(**r) for r in report["results"])
+    return run
 
 
 def compile_only(args) -> dict:

@@ -55,7 +55,8 @@ class ModeRun:
     rel_err_vs_fp32: float | None = None  # their relative L2 distance to the fp32 copy's
     drifted: bool = False  # beyond the rounding-noise band of the fp32 copy (reference/accuracy.py)
     # timed after a profiler session of this process, which slowed its launches on the
-    # host (CudaTracing): the stock peer after this backend's floors, a later --attention pass
+    # host (CudaTracing): a later --attention pass over several ranks, or a stock peer
+    # kept in the process of this backend's floors (run_bench's peer_process)
     after_profiler: bool = False
     error: str | None = None
 

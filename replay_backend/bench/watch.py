@@ -18,6 +18,10 @@ class Deadline:
     def __init__(self, at: float, group=None) -> None:
         self.at, self.group = at, group
 
+    def left(self) -> float:
+        """Seconds until the deadline (0 once past), by this process's clock."""
+        return max(0.0, self.at - time.perf_counter())
+
     def passed(self) -> bool:
         past = time.perf_counter() > self.at
         if self.group is None:

@@ -3,6 +3,7 @@ built, and their runs (bench/run.py, bench/decode.py), on one rank or several.""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import time
@@ -12,6 +13,7 @@ import torch
 from ..bench import decode as decode_bench
 from ..bench.decode_report import render as render_decode
 from ..bench import modes as bench_modes
+from ..bench import own_process
 from ..bench import ranks as bench_ranks
 from ..bench import run as bench
 from ..config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
@@ -160,21 +162,34 @@ def cmd_bench(args) -> int:
 
 
 def bench_passes(args, ranks=None) -> int:
-    """The bench's passes (one per --attention implementation) in this process, as one
-    rank of several where ``ranks`` is given (only rank 0 writes the report)."""
+    """The bench's passes (one per --attention implementation), as one rank of several
+    where ``ranks`` is given (only rank 0 writes the report). A pass after one whose
+    profiler sessions traced CUDA runs in a process of its own (bench/own_process.py),
+    where that slowdown cannot reach it; over several ranks, whose process groups
+    stay in their processes, it runs in this one, its modes marked."""
     impls = args.attention or [None]
     lead = ranks is None or ranks.lead
     t0, done = time.perf_counter(), []
-    fp32_results: dict = {}  # one set of fp32 copies for every implementation's pass
+    fp32_results: dict = {}  # one set of fp32 copies for the passes of this process
     for impl in impls:
         run = copy.copy(args)
         if impl is not None:
             run.model_option = [*args.model_option, f"attention_impl={impl}"]
         run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
+        after_profiler = any(rep["profiled"] for rep in done)
+        checkpoint = functools.partial(_checkpoint, args, list(done)) if lead else None
+        if after_profiler and ranks is None:
+            done.append(own_process.call(bench.run_bench, run, checkpoint))
+            continue
         torch._dynamo.reset()  # each implementation traces its own model
-        done.append(bench.run_bench(run, checkpoint=(lambda partial: _write_report(args, [*done, partial]))
-                                    if lead else None, fp32_results=fp32_results, ranks=ranks,
-                                    after_profiler=any(rep["profiled"] for rep in done)))
+        done.append(bench.run_bench(run, checkpoint=checkpoint, fp32_results=fp32_results, ranks=ranks,
+                                    after_profiler=after_profiler))
     if lead:
         print(_write_report(args, done))
     return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
+
+
+def _checkpoint(args, done: list[dict], partial: dict) -> None:
+    """The report so far, the passes ``done`` and this one's ``partial`` report: a run
+    stopped by an outer time limit still leaves what it measured."""
+    _write_report(args, [*done, partial])
