@@ -1,7 +1,9 @@
 """The benchmark's machinery on CPU: one trace for every mode, run order, the table."""
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import os
 import re
 from types import SimpleNamespace
@@ -12,10 +14,11 @@ import torch
 from replay_backend.bench import decode as decode_bench
 from replay_backend.compat import dynamo as compat_dynamo
 from replay_backend.bench import modes as bench_modes
+from replay_backend.bench import own_process
 from replay_backend.bench import run as bench
 from replay_backend.bench import report as bench_report
 from replay_backend.bench import timing as bench_timing
-from replay_backend.reference import cli
+from replay_backend.reference import cli, cli_bench
 from replay_backend.backend import ReplayBackend
 from replay_backend.reference.compare import max_abs_err
 from replay_backend.counters import counters
@@ -271,7 +274,7 @@ def test_the_stock_peer_timed_after_profiled_floors_is_marked_so(monkeypatch):
         option=["compiler=eager"], modes=["off", "reduce-overhead"], settings=["default"],
         isl=[40], conc=[1], runs=1, warmup=0, max_num_batched_tokens=128,
         max_tokens_per_point=1000, max_seconds=600.0, profile_out=None, profile_points=[])
-    report = bench.run_bench(args, peer_process=False)
+    report = bench.run_bench(args, place=bench.PassPlace.now(600.0, peer_process=False))
     assert order == ["time off", "floors off", "time reduce-overhead", "floors reduce-overhead"]
     runs = {r["mode"]: r for r in report["results"]}
     assert runs["reduce-overhead"]["after_profiler"] and not runs["off"]["after_profiler"]
@@ -279,16 +282,15 @@ def test_the_stock_peer_timed_after_profiled_floors_is_marked_so(monkeypatch):
     assert "NOTE: default/reduce-overhead timed after a profiler session of this process" in bench.render(report)
 
 
+@pytest.mark.inductor
 def test_the_stock_peer_after_floors_runs_in_a_process_of_its_own(monkeypatch, tmp_path):
     """Where this backend's floors traced CUDA, the stock peer (torch's own compile, here
     on the CPU) runs its whole bench in a spawned process, untouched by them: its entry
     and its profiles come back, not marked."""
-    from replay_backend.bench import own_process
-
     real_floor, real_call, calls = bench.floor_points, own_process.call, []
 
     def call(fn, *a):
-        calls.append(fn)
+        calls.append((fn, a[1]))
         return real_call(fn, *a)
 
     monkeypatch.setattr(bench, "floor_points", lambda *a, **k: real_floor(*a, **k) or True)  # as on a GPU
@@ -298,9 +300,13 @@ def test_the_stock_peer_after_floors_runs_in_a_process_of_its_own(monkeypatch, t
         option=["compiler=eager"], modes=["off", "reduce-overhead"], settings=["default"],
         isl=[40], conc=[1], runs=1, warmup=0, max_num_batched_tokens=128, max_tokens_per_point=1000,
         max_seconds=600.0, profile_out=str(tmp_path / "prof.md"), profile_points=["40/1"])
-    report = bench.run_bench(args)
+    written = tmp_path / "report.json"
+    report = bench.run_bench(args, checkpoint=functools.partial(cli_bench._checkpoint,
+                                                                SimpleNamespace(json=str(written), out=None), []))
     runs = {r["mode"]: r for r in report["results"]}
-    assert calls == [bench.run_bench]
+    ((fn, checkpoint),) = calls
+    assert fn is bench.run_bench and checkpoint.func is bench._with_peer  # the peer's points reach the report
+    assert [r["mode"] for r in json.loads(written.read_text())["results"]] == ["off", "reduce-overhead"]
     peer = runs["reduce-overhead"]
     assert not peer["error"] and set(peer["ms"]) == {"40/1"} and not peer["after_profiler"], peer
     assert peer["rel_err_vs_fp32"] is not None and not peer["drifted"]
@@ -308,22 +314,37 @@ def test_the_stock_peer_after_floors_runs_in_a_process_of_its_own(monkeypatch, t
     assert "NOTE:" not in bench.render(report)
 
 
+def test_the_peers_partial_reports_join_the_report_so_far():
+    saved: list = []
+    bench._with_peer(saved.append, {"device": "x", "results": [{"mode": "off"}]},
+                     {"device": "x", "results": [{"mode": "reduce-overhead"}]})
+    assert saved == [{"device": "x", "results": [{"mode": "off"}, {"mode": "reduce-overhead"}]}]
+    assert bench._picklable(lambda: None) is None and bench._picklable(saved.append) is not None
+
+
+@pytest.mark.parametrize("fn, args, raised, match", [
+    (int, ("x",), ValueError, r"^invalid literal for int\(\) with base 10: 'x'$"),  # a usage error: its line
+    (operator.truediv, (1, 0), own_process.OwnProcessFailed, r"Traceback[\s\S]*ZeroDivisionError"),
+    (os._exit, (3,), own_process.OwnProcessFailed, r"_exit's process ended \(exit status 3\) before its result"),
+])
+def test_a_call_in_its_own_process_that_fails_says_how(fn, args, raised, match):
+    with pytest.raises(raised, match=match):
+        own_process.call(fn, *args)
+
+
 @pytest.mark.parametrize("ranks", [None, SimpleNamespace(lead=True)])
 def test_an_attention_pass_after_a_profiled_one_runs_apart_or_is_marked(monkeypatch, ranks):
     """A pass after one whose floors traced CUDA runs in a process of its own; over
     several ranks, whose groups stay in their processes, in this one, marked."""
-    from replay_backend.bench import own_process
-    from replay_backend.reference import cli_bench
-
     seen = []
 
-    def run_bench(run, checkpoint=None, fp32_results=None, ranks=None, after_profiler=False):
-        seen.append(("here", run.model_option[-1], after_profiler))
+    def run_bench(run, checkpoint=None, fp32_results=None, ranks=None, place=None):
+        seen.append(("here", run.model_option[-1], place.after_profiler))
         return {"profiled": True, "results": []}
 
-    def call(fn, run, checkpoint):
-        assert fn is cli_bench.bench.run_bench and checkpoint is not None
-        seen.append(("own process", run.model_option[-1], False))
+    def call(fn, run, checkpoint, fp32_results, ranks, place):
+        assert fn is cli_bench.bench.run_bench and checkpoint is not None and 0 < place.seconds < 100
+        seen.append(("own process", run.model_option[-1], place.after_profiler))
         return {"profiled": True, "results": []}
 
     monkeypatch.setattr(cli_bench.bench, "run_bench", run_bench)

@@ -2,8 +2,11 @@
 its process (CudaTracing), so a mode timed after another's floors runs in a fresh one."""
 from __future__ import annotations
 
+import sys
 import traceback
 from typing import Any, Callable
+
+from ..compat import dynamo as compat_dynamo
 
 
 class OwnProcessFailed(RuntimeError):
@@ -13,25 +16,34 @@ class OwnProcessFailed(RuntimeError):
 
 def call(fn: Callable, *args) -> Any:
     """``fn(*args)`` in a spawned process: its result (picklable, as ``fn`` and ``args``
-    are), or :class:`OwnProcessFailed`. The process shares this one's stdout and
-    stderr, so what it prints reads in place."""
+    are). A ValueError there (a usage error) is raised here as a ValueError with its
+    message, anything else as :class:`OwnProcessFailed`. The process shares this one's
+    stdout and stderr, and does not outlive this call: an interrupt here stops it."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # CUDA is not fork-safe
     recv, send = ctx.Pipe(duplex=False)
     # Not daemonic: its Inductor may start compile workers of its own.
     proc = ctx.Process(target=_run, args=(fn, args, send))
+    sys.stdout.flush()
+    sys.stderr.flush()
     proc.start()
     send.close()  # its end only: its result, or EOF when it dies without one
+    got = False
     try:
-        ok, value = recv.recv()
-    except EOFError:
+        ok, value, user = recv.recv()
+        got = True
+    except EOFError:  # died without a word (out of memory, a signal)
         proc.join()
         raise OwnProcessFailed(f"{getattr(fn, '__name__', fn)}'s process ended (exit status {proc.exitcode}) "
                                "before its result") from None
     finally:
         recv.close()
-    proc.join()
+        if not got and proc.is_alive():  # this call interrupted: the process goes with it
+            proc.kill()
+        proc.join()
+    if user is not None:
+        raise ValueError(user)
     if not ok:
         raise OwnProcessFailed(value)
     return value
@@ -39,7 +51,11 @@ def call(fn: Callable, *args) -> Any:
 
 def _run(fn: Callable, args: tuple, send) -> None:
     try:
-        send.send((True, fn(*args)))
-    except BaseException:  # noqa: BLE001 - the caller raises it, with this traceback
-        send.send((False, traceback.format_exc()))
-    send.close()
+        result = (True, fn(*args), None)
+    except BaseException as e:  # noqa: BLE001 - the caller raises it, with this traceback
+        err = compat_dynamo.user_error(e)
+        result = (False, traceback.format_exc(), None if err is None else str(err))
+    try:
+        send.send(result)
+    finally:
+        send.close()

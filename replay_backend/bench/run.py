@@ -13,11 +13,13 @@ process of its own where their floors traced CUDA.
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import pickle
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -47,26 +49,46 @@ def check_tokens(shapes) -> int:
     return min(min(isl for isl, _ in shapes), CHECK_MAX_TOKENS)
 
 
+@dataclass(frozen=True)
+class PassPlace:
+    """Where one pass of the bench runs: its share of ``--max-seconds`` and what ran
+    before it in its process."""
+
+    seconds: float  # of --max-seconds left at ``as_of``
+    as_of: float  # time.time() then: a pass started in a process of its own counts its start-up
+    after_profiler: bool = False  # an earlier pass of this process traced CUDA (its modes are marked)
+    peer_process: bool | None = None  # the stock peer in a process of its own; None: where floors traced CUDA
+
+    @classmethod
+    def now(cls, seconds: float, **kw) -> "PassPlace":
+        return cls(seconds, time.time(), **kw)
+
+    def deadline_at(self) -> float:
+        """The deadline on this process's ``time.perf_counter`` clock."""
+        return time.perf_counter() + self.seconds - max(0.0, time.time() - self.as_of)
+
+
 def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ranks | None = None,
-              after_profiler: bool = False, peer_process: bool | None = None) -> dict:
+              place: PassPlace | None = None) -> dict:
     """Every mode at every point; returns the report. ``checkpoint(report)``, when given,
     gets the report so far once this backend's modes are ready, after each timed point
-    and after the stock peer's compile, so that a run stopped by an outer time limit
-    still leaves what it measured. ``fp32_results``: the accuracy gate's fp32 results,
+    and after the stock peer's compile (in the peer's own process, where the checkpoint
+    pickles), so that a run stopped by an outer time limit still leaves what it measured. ``fp32_results``: the accuracy gate's fp32 results,
     shared by the passes of one command (reference/accuracy.yardstick). ``ranks``: this
     rank's place over several ranks (bench/ranks.py); each rank runs every point on
-    its own prompts, and the report holds every rank's floors. ``after_profiler``: an
-    earlier pass of this process ran profiler sessions (every mode is marked so); the
-    report's ``profiled`` says whether this one did. ``peer_process``: the stock peer
-    runs in a process of its own (bench/own_process.py), untouched by the floors
-    before it; by default where any traced CUDA."""
+    its own prompts, and the report holds every rank's floors. ``place``: this pass's
+    budget and what ran before it (by default all of ``--max-seconds`` from now, in a
+    fresh process); the report's ``profiled`` says whether its floors traced CUDA.
+    Where they did, the stock peer runs in a process of its own (bench/own_process.py),
+    untouched by them."""
     shapes = [(i, c) for i in args.isl for c in args.conc if not (i * c > args.max_tokens_per_point)]
     if not shapes:
         raise ValueError(f"every ISL x concurrency point is above --max-tokens-per-point "
                          f"{args.max_tokens_per_point} prompt tokens: nothing to measure")
     # --max-seconds counts from here, the check prompt included: it is meant to fit the
     # bench inside an outer time limit.
-    deadline = Deadline(time.perf_counter() + args.max_seconds, ranks.world_group if ranks else None)
+    place = place if place is not None else PassPlace.now(args.max_seconds)
+    deadline = Deadline(place.deadline_at(), ranks.world_group if ranks else None)
     if ranks is not None:
         args = ranks.own_paths(args)
     model, device = bench_model(args, ranks)
@@ -120,7 +142,7 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
 
     def prepare(mode: str, setting: str) -> TimedMode | None:
         nonlocal trace_s
-        run = ModeRun(mode, setting, after_profiler=after_profiler)
+        run = ModeRun(mode, setting, after_profiler=place.after_profiler)
         results.append(run)
         try:
             runner, traced = prepare_mode(run, model, kw, shared, shared_fwd, device)
@@ -169,15 +191,19 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
             if deadline.passed():  # its compile alone takes minutes
                 results.append(ModeRun(*ms, error="time budget spent (--max-seconds) before its compile"))
                 continue
-            if (profiled or after_profiler) if peer_process is None else peer_process:
-                results.append(_peer_in_own_process(args, deadline.left(), floors))
+            if (profiled or place.after_profiler) if place.peer_process is None else place.peer_process:
+                torch._dynamo.reset()  # this backend's pieces and graphs go before the peer's process builds
+                release_memory()
+                results.append(_peer_in_own_process(args, ms, PassPlace.now(deadline.left()),
+                                                    _picklable(functools.partial(_with_peer, checkpoint, report()))
+                                                    if checkpoint is not None else None))
                 save()
                 continue
             peer = prepare(*ms)
             save()
             if peer is not None:
                 # Its own profiles follow its timing; this backend's floors came before.
-                peer.run.after_profiler = after_profiler or profiled
+                peer.run.after_profiler = place.after_profiler or profiled
                 timed = time_points([peer], shapes, deadline, args, trim_host_us, done=save)
                 profiled |= floor_points(timed, deadline, args, device, floors, done=save)
                 timed.modes.clear()
@@ -188,20 +214,34 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     return report()
 
 
-def _peer_in_own_process(args, seconds: float, floors: dict) -> ModeRun:
-    """The stock peer's bench (its check prompt, points and profiles) in a fresh
-    process, within ``seconds``: its report entry, its floors merged into ``floors``."""
+def _peer_in_own_process(args, ms: tuple[str, str], place: PassPlace, checkpoint) -> ModeRun:
+    """The stock peer's bench (its check prompt, points and profiles) in a fresh process
+    (``ms``: its mode and setting), within ``place``'s budget: its report entry.
+    ``checkpoint`` gets the peer's report as it goes."""
     peer_args = copy.copy(args)
-    peer_args.modes, peer_args.max_seconds = ["reduce-overhead"], seconds
+    peer_args.modes = [ms[0]]
     try:
-        report = own_process.call(run_bench, peer_args, None, None, None, False, False)
+        report = own_process.call(run_bench, peer_args, checkpoint, None, None, replace(place, peer_process=False))
     except own_process.OwnProcessFailed as e:
-        print(f"reduce-overhead: failed in its own process:\n{e}", file=sys.stderr, flush=True)
-        return ModeRun("reduce-overhead", "default", error=str(e).strip().splitlines()[-1][:500])
-    for setting, by_point in report["floor_ms"].items():
-        floors.setdefault(setting, {}).update(by_point)
+        print(f"{ms[0]}: failed in its own process:\n{e}", file=sys.stderr, flush=True)
+        return ModeRun(*ms, error=str(e).strip().splitlines()[-1][:500])
     (run,) = (ModeRun(**r) for r in report["results"])
     return run
+
+
+def _with_peer(checkpoint, base: dict, peer: dict) -> None:
+    """``checkpoint`` of the report ``base`` with the entries of the peer's report so far."""
+    checkpoint({**base, "results": [*base["results"], *peer["results"]]})
+
+
+def _picklable(fn):
+    """``fn`` where it can go to another process, else None (a checkpoint made here of a
+    closure stays here: that process's points then reach the report when it returns)."""
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return None
+    return fn
 
 
 def compile_only(args) -> dict:

@@ -241,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(not the keys the modes and capture settings decide)")
     b.add_argument("--attention", type=cli_args.names(), metavar="IMPL,...",
                    help="run the whole bench once per attention implementation (e.g. triton,flashinfer), "
-                        "in this process, one after the other (a later pass can read slower on the same "
-                        "host: docs/benchmarks.md); default: the model's own")
+                        "one after the other, a pass after one whose floors traced CUDA in a process of its "
+                        "own (docs/benchmarks.md); default: the model's own")
     b.add_argument("--tp", type=cli_args.int_arg(1), metavar="N",
                    help="tensor-parallel ranks: one process per rank (tp x dp ranks, one GPU each; gloo on the "
                         "CPU), spawned here or started by torchrun; rank 0 prints and writes the report "

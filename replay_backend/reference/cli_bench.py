@@ -6,7 +6,9 @@ import copy
 import functools
 import json
 import os
+import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -175,18 +177,27 @@ def bench_passes(args, ranks=None) -> int:
         run = copy.copy(args)
         if impl is not None:
             run.model_option = [*args.model_option, f"attention_impl={impl}"]
-        run.max_seconds = args.max_seconds - (time.perf_counter() - t0)  # one budget for every run
-        after_profiler = any(rep["profiled"] for rep in done)
+        # one budget for every pass
+        place = bench.PassPlace.now(args.max_seconds - (time.perf_counter() - t0),
+                                    after_profiler=any(rep["profiled"] for rep in done))
         checkpoint = functools.partial(_checkpoint, args, list(done)) if lead else None
-        if after_profiler and ranks is None:
-            done.append(own_process.call(bench.run_bench, run, checkpoint))
-            continue
         torch._dynamo.reset()  # each implementation traces its own model
-        done.append(bench.run_bench(run, checkpoint=checkpoint, fp32_results=fp32_results, ranks=ranks,
-                                    after_profiler=after_profiler))
+        if place.after_profiler and ranks is None:
+            bench_modes.release_memory()  # the earlier passes' caches, before the new process builds
+            try:
+                done.append(own_process.call(bench.run_bench, run, checkpoint, None, None,
+                                             replace(place, after_profiler=False)))
+            except own_process.OwnProcessFailed as e:  # the passes done still make their report
+                print(f"the pass of attention_impl={impl} failed in its own process:\n{e}", file=sys.stderr,
+                      flush=True)
+                break
+            continue
+        done.append(bench.run_bench(run, checkpoint=checkpoint, fp32_results=fp32_results, ranks=ranks, place=place))
     if lead:
         print(_write_report(args, done))
-    return 0 if all(not r["error"] and not r.get("drifted") for rep in done for r in rep["results"]) else 1
+    failed = len(done) < len(impls)
+    return 0 if not failed and all(not r["error"] and not r.get("drifted")
+                                   for rep in done for r in rep["results"]) else 1
 
 
 def _checkpoint(args, done: list[dict], partial: dict) -> None:
