@@ -71,11 +71,25 @@ def run_scenario(name: str, nodes: int, reps: int) -> list[dict]:
     return phases
 
 
+def _scenarios(text: str) -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in SCENARIOS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)} (the scenarios: {', '.join(SCENARIOS)})")
+    return names
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=2000)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--nodes", type=_positive, default=2000)
+    ap.add_argument("--reps", type=_positive, default=30)
+    ap.add_argument("--scenarios", type=_scenarios, default=list(SCENARIOS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", choices=SCENARIOS, help=argparse.SUPPRESS)  # a child's scenario
     args = ap.parse_args(argv)
@@ -88,9 +102,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; a graph of {args.nodes} kernels")
     print("| scenario | phase | graph launch us | eager launch us |\n|---|---|---|---|")
-    for name in args.scenarios.split(","):
-        if name not in SCENARIOS:
-            ap.error(f"--scenarios: unknown {name!r} (one of {', '.join(SCENARIOS)})")
+    for name in args.scenarios:
         child = subprocess.run([sys.executable, __file__, "--one", name, "--nodes", str(args.nodes),
                                 "--reps", str(args.reps)], capture_output=True, text=True)
         if child.returncode:

@@ -119,3 +119,32 @@ def test_graph_launch_probe_splits_its_kernels_over_the_graphs(monkeypatch):
         for g in graphs:
             g.replay()
         assert x[0].item() - before == n
+
+
+def _tracing_probe(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import tracing_probe
+
+    return tracing_probe
+
+
+def test_tracing_probe_refuses_an_unknown_scenario_before_anything_else(monkeypatch, capsys):
+    import pytest
+
+    probe = _tracing_probe(monkeypatch)
+    with pytest.raises(SystemExit):
+        probe.main(["--scenarios", "attached,detached"])
+    assert "argument --scenarios: unknown detached (the scenarios: attached, plain)" in capsys.readouterr().err
+
+
+def test_tracing_probe_times_a_graph_launch_before_and_after_a_session(monkeypatch):
+    """Each phase of a scenario: the host's time launching the graph and one eager kernel."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    probe = _tracing_probe(monkeypatch)
+    phases = probe.run_scenario("attached", 10, 2)
+    assert [p["phase"] for p in phases] == ["before any session", "after a CudaTracing session"]
+    assert all(p["graph_launch_us"] > 0 and p["eager_launch_us"] > 0 for p in phases)
