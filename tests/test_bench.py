@@ -606,12 +606,13 @@ def _plain_peer(model, kw):
     return StepRunner(model, **kw), 0.0
 
 
-def test_the_decode_bench_times_every_step_before_any_profiler_session(tmp_path, monkeypatch):
-    """A profiler session slows every later CUDA launch of the process (a graph's most),
-    torn down or not: every timed step of every mode, the stock peer's too, comes
-    before the first profile or floor, and the host profiles (cProfile) with them.
-    This backend's modes take their floors after the peer's Dynamo reset, still
-    dispatching without Dynamo."""
+@pytest.mark.parametrize("apart", [True, None])
+def test_the_decode_bench_times_no_step_after_a_profiler_session_in_its_process(tmp_path, monkeypatch, apart):
+    """A profiler session slows every later CUDA launch of its process (a graph's most),
+    torn down or not: every timed step of this backend's modes comes before their first
+    profile or floor, and so do the host profiles (cProfile). The stock peer follows,
+    in a process of its own where their floors traced CUDA (``apart``, as on a GPU;
+    the process here is this one, marked), else here (profiles on the CPU trace no CUDA)."""
     log: list[str] = []
 
     def logged(kind, fn):
@@ -626,21 +627,25 @@ def test_the_decode_bench_times_every_step_before_any_profiler_session(tmp_path,
     monkeypatch.setattr(decode_bench, "profile_to", logged("session", decode_bench.profile_to))
     monkeypatch.setattr(decode_bench, "kernel_floor_ms", logged("session", decode_bench.kernel_floor_ms))
     monkeypatch.setattr(decode_bench, "stock_peer", _plain_peer)
-    built = []
-    real_build = decode_bench._build
-    monkeypatch.setattr(decode_bench, "_build", lambda *a: built.append(real_build(*a)) or built[-1])
-    out = tmp_path / "d.json"
-    assert _tiny_decode_bench(out, "1,2", 1, "piecewise,full_and_piecewise,reduce-overhead", "--profile-points",
-                              "40/1,40/2", "--profile-out", str(tmp_path / "p.txt"), "--host-profile-out",
-                              str(tmp_path / "h.txt")) == 0
-    first = log.index("session")
-    assert "timed" not in log[first:] and "host" not in log[first:], log
-    assert log.count("timed") == 2 * (2 + 1 + 1) and log.count("session") == 3 * 2, log  # ours, then the peer
-    runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    monkeypatch.setattr(own_process, "call", lambda fn, *a: log.append("new process") or fn(*a))
+    args = cli.build_parser().parse_args([
+        "decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
+        "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", "1,2", "--mixed", "24",
+        "--prefill-isl", "64", "--steps", "1", "--runs", "1", "--warmup", "1", "--max-num-batched-tokens", "128",
+        "--modes", "piecewise,full_and_piecewise,reduce-overhead", "--profile-points", "40/1,40/2", "--profile-out",
+        str(tmp_path / "p.txt"), "--host-profile-out", str(tmp_path / "h.txt")])
+    report = decode_bench.run_decode_bench(args, peer_process=apart)
+    # this backend's modes: 2 decode points, the mixed and the prefill steps, then 2 x 2 sessions
+    cut = log.index("new process") if apart else [i for i, k in enumerate(log) if k == "session"][3] + 1
+    ours, peer = log[:cut], log[cut + bool(apart):]
+    assert ours.count("timed") == peer.count("timed") == 2 + 1 + 1 and ours.count("session") == 2 * 2, log
+    first = ours.index("session")
+    assert "timed" not in ours[first:] and "host" not in ours[first:], log
+    assert peer.index("session") > max(i for i, k in enumerate(peer) if k in ("timed", "host")), log
+    assert log.count("new process") == (1 if apart else 0)
+    runs = {r["mode"]: r for r in report["results"]}
+    assert list(runs) == ["piecewise", "full_and_piecewise", "reduce-overhead"]
     assert all(not r["error"] and set(r["tpot_ms"]) == {"40/1", "40/2"} for r in runs.values()), runs
-    for m in built[:2]:  # one graph each, called directly: no retrace after the reset
-        assert m.runner.backend.model is not None and len(m.runner.backend.compiled) == 1
-        assert m.runner.compiled.direct
 
 
 def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(model, monkeypatch, fresh_dynamo):

@@ -121,10 +121,10 @@ def test_the_memory_estimate_covers_full_graphs_whose_attention_splits_for_the_l
 
 
 def test_the_decode_bench_takes_a_floor_at_every_point_after_all_its_timing(tmp_path):
-    """The decode bench times every point of every mode first, the stock peer's after a
-    Dynamo reset, then takes each point's floors with the CUDA tracing kept attached
-    from one session to the next: every point of every mode has a floor and a step the
-    same as the first mode's, and a host profile at each profiled point."""
+    """The decode bench times every point of this backend's modes first, then takes each
+    point's floors with the CUDA tracing kept attached from one session to the next,
+    then runs the stock peer in a process of its own: every point of every mode has a
+    floor, and a host profile at each profiled point."""
     import json
 
     from replay_backend.reference import cli

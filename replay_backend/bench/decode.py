@@ -9,17 +9,19 @@ whole prompts (TTFT) under the same modes, so that one run shows what a mode cos
 the steps it does not target.
 
 Modes: this backend's ``piecewise`` and ``full_and_piecewise`` (built first, timed in
-turns point by point, so a slow phase of the host falls on both alike), then torch's
-own ``reduce-overhead`` (CUDA graph trees), which resets Dynamo and is timed alone.
-Every floor and profile follows all of that timing: a profiler session slows the
-process's later launches (CudaTracing).
+turns point by point, so a slow phase of the host falls on both alike, then their
+floors and profiles: a profiler session slows the process's later launches,
+CudaTracing), then torch's own ``reduce-overhead`` (CUDA graph trees), which resets
+Dynamo and runs alone: on a GPU in a process of its own.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
@@ -29,92 +31,17 @@ from ..config import ReplayConfig
 from ..reference.compare import max_abs_err
 from ..reference.runner import StepRunner
 from ..requests import RequestChunk
+from . import own_process
 from .cuda_tracing import CudaTracing
+from .decode_mode import DecodeRun, Mode
 from .profile import NoKernelsRecorded, host_profile_to, kernel_floor_ms, profile_to
-from .modes import bench_model, mode_failed, stock_peer
+from .modes import bench_model, mode_failed, release_memory, stock_peer
 from .watch import sync
 
 OURS = {"piecewise": {"cudagraph_mode": "piecewise"},
         "full_and_piecewise": {"cudagraph_mode": "full_and_piecewise"}}
 PEER = "reduce-overhead"
 DECODE_MODES = (*OURS, PEER)
-
-
-@dataclass
-class DecodeRun:
-    """One mode's report entry."""
-
-    mode: str
-    build_s: float = 0.0  # trace, compile and capture
-    capture: dict = field(default_factory=dict)  # per level: graphs, sizes, seconds, GiB
-    tpot_ms: dict = field(default_factory=dict)  # "context/conc" -> median step ms
-    # "context/conc" -> ms per step of steps queued back to back, one sync at the end: a
-    # server whose host prepares the next step while the GPU runs this one
-    pipelined_ms: dict = field(default_factory=dict)
-    floor_ms: dict = field(default_factory=dict)  # "context/conc" -> kernel ms of one step
-    # "context/conc" -> median host ms of building the step's batch, inside tpot_ms: host
-    # time before the step's first kernel, which a synchronised step cannot hide
-    build_ms: dict = field(default_factory=dict)
-    # "context/conc" -> median host ms from the build's start until the step is queued
-    # (its run returns, before the sync): the build and every launch. Close to the
-    # step's whole time, the host held the GPU back; far below it, the GPU ran the rest.
-    host_ms: dict = field(default_factory=dict)
-    kinds: dict = field(default_factory=dict)  # "context/conc" -> the step kind it ran as
-    mixed_ms: dict = field(default_factory=dict)  # "tokens" -> median step ms
-    ttft_ms: dict = field(default_factory=dict)  # "isl" -> median prefill ms (c1)
-    max_abs_err_vs_first: dict = field(default_factory=dict)  # "context/conc" -> vs the first mode's logits
-    floor_errors: dict = field(default_factory=dict)  # "context/conc" -> why the point has no floor
-    error: str | None = None
-
-
-class Mode:
-    """A mode's runner and its requests' positions."""
-
-    def __init__(self, run: DecodeRun, runner: StepRunner) -> None:
-        self.run, self.runner = run, runner
-        self.seq: dict[str, int] = {}
-
-    def start(self, tag: str, context: int, conc: int) -> list[str]:
-        ids = [f"{tag}-{i}" for i in range(conc)]
-        self.runner.prefill({rid: context for rid in ids})
-        self.seq.update({rid: context for rid in ids})
-        return ids
-
-    def decode(self, ids: list[str], synced: bool = True):
-        """One decode step of ``ids``: its ms, the ms of building its batch, the host's ms
-        until the step was queued, its output."""
-        reqs = []
-        for rid in ids:
-            self.seq[rid] += 1
-            reqs.append(RequestChunk(rid, 1, self.seq[rid]))
-        if synced:
-            sync()
-        t0 = time.perf_counter()
-        batch = self.runner.build_batch(reqs)
-        t1 = time.perf_counter()
-        out = self.runner.run(batch)
-        t2 = time.perf_counter()
-        if synced:
-            sync()
-        return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t0) * 1e3, out
-
-    def step_ms(self, ids: list[str]) -> float:
-        """One synchronised decode step of ``ids``: its ms."""
-        return self.decode(ids)[0]
-
-    def pipelined(self, ids: list[str], steps: int) -> float:
-        """ms per step of ``steps`` decode steps queued back to back."""
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.decode(ids, synced=False)
-        sync()
-        return (time.perf_counter() - t0) * 1e3 / steps
-
-    def end(self, ids: list[str]) -> None:
-        for rid in ids:
-            self.runner.free(rid)
-            del self.seq[rid]
 
 
 def _build(mode: str, model, kw: dict, args, cache: PieceCache) -> Mode:
@@ -274,8 +201,36 @@ def cache_size(args) -> tuple[int, int]:
     return longest + longest % 2, max(max(args.conc), 9)
 
 
-def run_decode_bench(args) -> dict:
-    """Every mode of ``args.modes`` at every point; returns the report."""
+def _peer_here(model, kw: dict, args, cache: PieceCache) -> DecodeRun:
+    """The stock peer built, timed and floored in this process: its report entry."""
+    run = DecodeRun(PEER)
+    try:
+        peer = _build(PEER, model, kw, args, cache)
+        run = peer.run
+        _measure([peer], args)
+        _floors([peer], args)
+    except Exception as e:  # noqa: BLE001 - the peer's own failure is its entry, with what it measured
+        run.error = mode_failed(PEER, e)
+    return run
+
+
+def _peer_in_own_process(args) -> DecodeRun:
+    """The stock peer's decode bench in a fresh process: its report entry."""
+    peer_args = copy.copy(args)
+    peer_args.modes = [PEER]
+    try:
+        report = own_process.call(run_decode_bench, peer_args, False)
+    except own_process.OwnProcessFailed as e:
+        print(f"{PEER}: failed in its own process:\n{e}", file=sys.stderr, flush=True)
+        return DecodeRun(PEER, error=str(e).strip().splitlines()[-1][:500])
+    (run,) = (DecodeRun(**r) for r in report["results"])
+    return run
+
+
+def run_decode_bench(args, peer_process: bool | None = None) -> dict:
+    """Every mode of ``args.modes`` at every point; returns the report.
+    ``peer_process``: the stock peer runs in a process of its own (bench/own_process.py),
+    untouched by this backend's floors before it; by default where they traced CUDA."""
     model, device = bench_model(args)
     max_model_len, max_num_seqs = cache_size(args)
     kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -290,19 +245,13 @@ def run_decode_bench(args) -> dict:
             runs.append(DecodeRun(mode, error=mode_failed(mode, e)))
     runs += [m.run for m in ours]
     _measure(ours, args)
-    peer = None
+    _floors(ours, args)
+    apart = (bool(ours) and device == "cuda") if peer_process is None else peer_process
+    ours.clear()
     if PEER in args.modes:
-        run = DecodeRun(PEER)
-        try:
-            # After this backend's modes, since it resets Dynamo: their runners dispatch
-            # without it, and stay for their floors, which follow every timed step.
-            peer = _build(PEER, model, kw, args, cache)
-            run = peer.run
-            _measure([peer], args)
-        except Exception as e:  # noqa: BLE001 - the peer's own failure is its entry, with what it measured
-            run.error, peer = mode_failed(PEER, e), None
-        runs.append(run)
-    _floors(ours + ([peer] if peer is not None else []), args)
+        torch._dynamo.reset()  # this backend's pieces and graphs go before the peer builds
+        release_memory()
+        runs.append(_peer_in_own_process(args) if apart else _peer_here(model, kw, args, cache))
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "results": [asdict(r) for r in runs]}

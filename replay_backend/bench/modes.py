@@ -118,8 +118,7 @@ def stock_peer(model, kw: dict) -> tuple[StepRunner, float]:
     """A runner of the stock ``torch.compile(mode="reduce-overhead")`` peer (CUDA graph
     trees), its first trace dynamic in the token count like ours, and the seconds of its
     first step (trace, compile).
-    It resets Dynamo first: this backend's modes are built before it (and where they
-    still run after it, dispatch without Dynamo)."""
+    It resets Dynamo first: this backend's modes are done before it."""
     torch._dynamo.reset()
     peer = torch.compile(model, options=compat_inductor.reduce_overhead_options())
     traced = False
