@@ -72,10 +72,12 @@ def run_scenario(name: str, nodes: int, reps: int) -> list[dict]:
 
 
 def _scenarios(text: str) -> list[str]:
-    names = text.split(",")
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no scenario named in {text!r} (the scenarios: {', '.join(SCENARIOS)})")
     bad = [n for n in names if n not in SCENARIOS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)} (the scenarios: {', '.join(SCENARIOS)})")
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))} (the scenarios: {', '.join(SCENARIOS)})")
     return names
 
 

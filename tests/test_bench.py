@@ -5,6 +5,7 @@ import functools
 import json
 import operator
 import os
+import pickle
 import re
 from types import SimpleNamespace
 
@@ -627,7 +628,9 @@ def test_the_decode_bench_times_no_step_after_a_profiler_session_in_its_process(
     monkeypatch.setattr(decode_bench, "profile_to", logged("session", decode_bench.profile_to))
     monkeypatch.setattr(decode_bench, "kernel_floor_ms", logged("session", decode_bench.kernel_floor_ms))
     monkeypatch.setattr(decode_bench, "stock_peer", _plain_peer)
-    monkeypatch.setattr(own_process, "call", lambda fn, *a: log.append("new process") or fn(*a))
+    # a process of its own gets its arguments pickled
+    monkeypatch.setattr(own_process, "call",
+                        lambda fn, *a: log.append("new process") or fn(*pickle.loads(pickle.dumps(a))))
     args = cli.build_parser().parse_args([
         "decode-bench", "--preset", "tiny", "--model-option", "num_layers=4", "--model-option",
         "kv_source_layer_ids=1,2", "--model-option", "window=16", "--context", "40", "--conc", "1,2", "--mixed", "24",
@@ -646,6 +649,32 @@ def test_the_decode_bench_times_no_step_after_a_profiler_session_in_its_process(
     runs = {r["mode"]: r for r in report["results"]}
     assert list(runs) == ["piecewise", "full_and_piecewise", "reduce-overhead"]
     assert all(not r["error"] and set(r["tpot_ms"]) == {"40/1", "40/2"} for r in runs.values()), runs
+
+
+def test_the_decode_peer_runs_apart_where_this_backends_floors_traced_cuda():
+    assert decode_bench.peer_apart(True, "cuda", None) and not decode_bench.peer_apart(False, "cuda", None)
+    assert not decode_bench.peer_apart(True, "cpu", None) and decode_bench.peer_apart(False, "cpu", True)
+    assert not decode_bench.peer_apart(True, "cuda", False)
+
+
+@pytest.mark.parametrize("raised, error", [
+    (own_process.OwnProcessFailed("Traceback (most recent call last):\n  ...\nRuntimeError: boom"),
+     "RuntimeError: boom"),
+    (ValueError("--preset nope: not a preset"), "--preset nope: not a preset"),
+])
+def test_a_decode_peer_whose_process_fails_is_its_entry_and_the_others_stand(tmp_path, monkeypatch, capsys, raised,
+                                                                              error):
+    def call(fn, *a):
+        raise raised
+
+    monkeypatch.setattr(own_process, "call", call)
+    monkeypatch.setattr(decode_bench, "peer_apart", lambda *a: True)
+    out = tmp_path / "d.json"
+    assert _tiny_decode_bench(out, "1", 1, "piecewise,reduce-overhead") == 1
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert runs["reduce-overhead"]["error"] == error and not runs["piecewise"]["error"]
+    assert set(runs["piecewise"]["tpot_ms"]) == {"40/1"}
+    assert "reduce-overhead: failed in its own process:" in capsys.readouterr().err
 
 
 def test_the_stock_peer_marks_the_token_count_dynamic_for_its_first_trace_only(model, monkeypatch, fresh_dynamo):

@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 
@@ -128,23 +130,35 @@ def _tracing_probe(monkeypatch):
     return tracing_probe
 
 
-def test_tracing_probe_refuses_an_unknown_scenario_before_anything_else(monkeypatch, capsys):
-    import pytest
+def test_tracing_probe_times_a_graph_launch_before_and_after_a_session():
+    """Each phase of a scenario: the host's time launching the graph and one eager kernel.
+    In a process of its own, as the probe runs each: the session would slow this one's
+    later launches."""
+    import json
+    import subprocess
+    import sys
 
-    probe = _tracing_probe(monkeypatch)
-    with pytest.raises(SystemExit):
-        probe.main(["--scenarios", "attached,detached"])
-    assert "argument --scenarios: unknown detached (the scenarios: attached, plain)" in capsys.readouterr().err
-
-
-def test_tracing_probe_times_a_graph_launch_before_and_after_a_session(monkeypatch):
-    """Each phase of a scenario: the host's time launching the graph and one eager kernel."""
     import pytest
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    probe = _tracing_probe(monkeypatch)
-    phases = probe.run_scenario("attached", 10, 2)
+    child = subprocess.run([sys.executable, str(SCRIPTS / "tracing_probe.py"), "--one", "attached", "--nodes", "10",
+                            "--reps", "2"], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    phases = json.loads(child.stdout.strip().splitlines()[-1])
     assert [p["phase"] for p in phases] == ["before any session", "after a CudaTracing session"]
     assert all(p["graph_launch_us"] > 0 and p["eager_launch_us"] > 0 for p in phases)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--scenarios", "attached,detached"], "argument --scenarios: unknown 'detached' (the scenarios: attached, plain)"),
+    (["--scenarios", " , "], "argument --scenarios: no scenario named"),
+    (["--nodes", "0"], "argument --nodes: expected a positive integer, got '0'"),
+    (["--reps", "x"], "argument --reps: expected a positive integer, got 'x'"),
+])
+def test_tracing_probe_refuses_bad_arguments_before_anything_else(monkeypatch, capsys, argv, match):
+    probe = _tracing_probe(monkeypatch)
+    with pytest.raises(SystemExit):
+        probe.main(argv)
+    assert match in capsys.readouterr().err

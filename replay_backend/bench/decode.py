@@ -12,14 +12,12 @@ Modes: this backend's ``piecewise`` and ``full_and_piecewise`` (built first, tim
 turns point by point, so a slow phase of the host falls on both alike, then their
 floors and profiles: a profiler session slows the process's later launches,
 CudaTracing), then torch's own ``reduce-overhead`` (CUDA graph trees), which resets
-Dynamo and runs alone: on a GPU in a process of its own.
+Dynamo and runs alone: on a GPU, after this backend's modes, in a process of its own.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import statistics
-import sys
 import time
 from dataclasses import asdict
 
@@ -48,7 +46,7 @@ def _build(mode: str, model, kw: dict, args, cache: PieceCache) -> Mode:
     run = DecodeRun(mode)
     t0 = time.perf_counter()
     if mode == PEER:
-        runner, _ = stock_peer(model, kw)  # build_s: the reset too, as for the modes it follows
+        runner, _ = stock_peer(model, kw)
     else:
         opts = {**OURS[mode], "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": kw["max_num_seqs"]}
         runner = StepRunner(model, backend=ReplayBackend(ReplayConfig.from_options(opts), piece_cache=cache), **kw)
@@ -214,17 +212,10 @@ def _peer_here(model, kw: dict, args, cache: PieceCache) -> DecodeRun:
     return run
 
 
-def _peer_in_own_process(args) -> DecodeRun:
-    """The stock peer's decode bench in a fresh process: its report entry."""
-    peer_args = copy.copy(args)
-    peer_args.modes = [PEER]
-    try:
-        report = own_process.call(run_decode_bench, peer_args, False)
-    except own_process.OwnProcessFailed as e:
-        print(f"{PEER}: failed in its own process:\n{e}", file=sys.stderr, flush=True)
-        return DecodeRun(PEER, error=str(e).strip().splitlines()[-1][:500])
-    (run,) = (DecodeRun(**r) for r in report["results"])
-    return run
+def peer_apart(ours_floored: bool, device: str, peer_process: bool | None) -> bool:
+    """Whether the stock peer runs in a process of its own: as ``peer_process`` says, by
+    default where this backend's floors before it traced CUDA."""
+    return (ours_floored and device == "cuda") if peer_process is None else peer_process
 
 
 def run_decode_bench(args, peer_process: bool | None = None) -> dict:
@@ -246,12 +237,17 @@ def run_decode_bench(args, peer_process: bool | None = None) -> dict:
     runs += [m.run for m in ours]
     _measure(ours, args)
     _floors(ours, args)
-    apart = (bool(ours) and device == "cuda") if peer_process is None else peer_process
+    apart = peer_apart(bool(ours), device, peer_process)
     ours.clear()
     if PEER in args.modes:
         torch._dynamo.reset()  # this backend's pieces and graphs go before the peer builds
-        release_memory()
-        runs.append(_peer_in_own_process(args) if apart else _peer_here(model, kw, args, cache))
+        if apart:
+            model = cache = None  # the process of its own builds its own
+            release_memory()
+            runs.append(DecodeRun(**{"mode": PEER, **own_process.one_mode(run_decode_bench, args, PEER, False)}))
+        else:
+            release_memory()
+            runs.append(_peer_here(model, kw, args, cache))
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "results": [asdict(r) for r in runs]}

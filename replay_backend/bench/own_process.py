@@ -2,6 +2,7 @@
 its process (CudaTracing), so a mode timed after another's floors runs in a fresh one."""
 from __future__ import annotations
 
+import copy
 import sys
 import traceback
 from typing import Any, Callable
@@ -59,3 +60,18 @@ def _run(fn: Callable, args: tuple, send) -> None:
         send.send(result)
     finally:
         send.close()
+
+
+def one_mode(bench: Callable, args, mode: str, *rest) -> dict:
+    """``bench(args', *rest)`` in a process of its own, ``args'`` a copy of ``args`` with
+    ``mode`` its only mode: that mode's report entry (a dict), or ``{"error": ...}``
+    where the process failed (its traceback printed here). A benchmark's other modes,
+    measured already, keep their entries whatever happens there."""
+    own = copy.copy(args)
+    own.modes = [mode]
+    try:
+        (entry,) = call(bench, own, *rest)["results"]
+    except (OwnProcessFailed, ValueError) as e:
+        print(f"{mode}: failed in its own process:\n{e}", file=sys.stderr, flush=True)
+        return {"error": (str(e).strip().splitlines() or [type(e).__name__])[-1][:500]}
+    return entry

@@ -12,14 +12,12 @@ process of its own where their floors traced CUDA.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import pickle
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -73,8 +71,9 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     """Every mode at every point; returns the report. ``checkpoint(report)``, when given,
     gets the report so far once this backend's modes are ready, after each timed point
     and after the stock peer's compile (in the peer's own process, where the checkpoint
-    pickles), so that a run stopped by an outer time limit still leaves what it measured. ``fp32_results``: the accuracy gate's fp32 results,
-    shared by the passes of one command (reference/accuracy.yardstick). ``ranks``: this
+    pickles), so that a run stopped by an outer time limit still leaves what it
+    measured. ``fp32_results``: the accuracy gate's fp32 results, shared by the passes
+    of one process (reference/accuracy.yardstick). ``ranks``: this
     rank's place over several ranks (bench/ranks.py); each rank runs every point on
     its own prompts, and the report holds every rank's floors. ``place``: this pass's
     budget and what ran before it (by default all of ``--max-seconds`` from now, in a
@@ -193,10 +192,13 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
                 continue
             if (profiled or place.after_profiler) if place.peer_process is None else place.peer_process:
                 torch._dynamo.reset()  # this backend's pieces and graphs go before the peer's process builds
+                model = shared_fwd = None  # that process builds its own
                 release_memory()
-                results.append(_peer_in_own_process(args, ms, PassPlace.now(deadline.left()),
-                                                    _picklable(functools.partial(_with_peer, checkpoint, report()))
-                                                    if checkpoint is not None else None))
+                peer_cp = (_picklable(functools.partial(_with_peer, checkpoint, report()))
+                           if checkpoint is not None else None)
+                entry = own_process.one_mode(run_bench, args, ms[0], peer_cp, None, None,
+                                             PassPlace.now(deadline.left(), peer_process=False))
+                results.append(ModeRun(**{"mode": ms[0], "setting": ms[1], **entry}))
                 save()
                 continue
             peer = prepare(*ms)
@@ -212,21 +214,6 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
     for run in results:
         print(json.dumps(asdict(run)), flush=True)
     return report()
-
-
-def _peer_in_own_process(args, ms: tuple[str, str], place: PassPlace, checkpoint) -> ModeRun:
-    """The stock peer's bench (its check prompt, points and profiles) in a fresh process
-    (``ms``: its mode and setting), within ``place``'s budget: its report entry.
-    ``checkpoint`` gets the peer's report as it goes."""
-    peer_args = copy.copy(args)
-    peer_args.modes = [ms[0]]
-    try:
-        report = own_process.call(run_bench, peer_args, checkpoint, None, None, replace(place, peer_process=False))
-    except own_process.OwnProcessFailed as e:
-        print(f"{ms[0]}: failed in its own process:\n{e}", file=sys.stderr, flush=True)
-        return ModeRun(*ms, error=str(e).strip().splitlines()[-1][:500])
-    (run,) = (ModeRun(**r) for r in report["results"])
-    return run
 
 
 def _with_peer(checkpoint, base: dict, peer: dict) -> None:
