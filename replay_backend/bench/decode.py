@@ -162,7 +162,7 @@ def _prefill_points(modes: list[Mode], args) -> None:
               flush=True)
 
 
-def _points(args) -> list[tuple[int, int]]:
+def points(args) -> list[tuple[int, int]]:
     """The decode points: every ``--context`` with every ``--conc``."""
     return [(context, conc) for context in args.context for conc in args.conc]
 
@@ -171,7 +171,7 @@ def _measure(modes: list[Mode], args) -> None:
     """Every point of every mode, timed: decode, mixed and prefill steps."""
     if not modes:  # none of this backend's modes asked for, or none built
         return
-    for context, conc in _points(args):
+    for context, conc in points(args):
         _decode_point(modes, context, conc, args)
     for tokens in args.mixed:
         _mixed_point(modes, tokens, args)
@@ -184,7 +184,7 @@ def _floors(modes: list[Mode], args) -> None:
     if not modes:
         return
     tracing = CudaTracing()
-    for context, conc in _points(args):
+    for context, conc in points(args):
         if torch.cuda.is_available() or (args.profile_out and f"{context}/{conc}" in args.profile_points):
             _floor_point(modes, context, conc, args, tracing)
 

@@ -66,7 +66,7 @@ def cmd_decode_bench(args) -> int:
                     ("--host-profile-out", args.host_profile_out)))
     if args.host_profile_out and not args.profile_points:
         raise ValueError("--host-profile-out profiles the points of --profile-points, and none is given")
-    measured = {f"{c}/{n}" for c in args.context for n in args.conc}
+    measured = {f"{c}/{n}" for c, n in decode_bench.points(args)}
     unmeasured = [p for p in args.profile_points if p not in measured]
     if unmeasured and (args.profile_out or args.host_profile_out):
         raise ValueError(f"--profile-points {','.join(unmeasured)}: not a point of --context x --conc, so it would "
