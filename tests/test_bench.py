@@ -284,10 +284,11 @@ def test_the_stock_peer_timed_after_profiled_floors_is_marked_so(monkeypatch):
 
 
 @pytest.mark.inductor
-def test_the_stock_peer_after_floors_runs_in_a_process_of_its_own(monkeypatch, tmp_path):
+def test_the_stock_peer_after_floors_runs_in_a_process_of_its_own(monkeypatch, tmp_path, capfd):
     """Where this backend's floors traced CUDA, the stock peer (torch's own compile, here
     on the CPU) runs its whole bench in a spawned process, untouched by them: its entry
-    and its profiles come back, not marked."""
+    and its profiles come back, not marked. Neither process prints the entries (the
+    CLI prints each once)."""
     real_floor, real_call, calls = bench.floor_points, own_process.call, []
 
     def call(fn, *a):
@@ -313,6 +314,7 @@ def test_the_stock_peer_after_floors_runs_in_a_process_of_its_own(monkeypatch, t
     assert peer["rel_err_vs_fp32"] is not None and not peer["drifted"]
     assert (tmp_path / "prof.md").read_text().count("######## ") == 2  # off's, then the peer's process's
     assert "NOTE:" not in bench.render(report)
+    assert '{"mode": ' not in capfd.readouterr().out
 
 
 def test_the_peers_partial_reports_join_the_report_so_far():
@@ -334,19 +336,23 @@ def test_a_call_in_its_own_process_that_fails_says_how(fn, args, raised, match):
 
 
 @pytest.mark.parametrize("ranks", [None, SimpleNamespace(lead=True)])
-def test_an_attention_pass_after_a_profiled_one_runs_apart_or_is_marked(monkeypatch, ranks):
+def test_an_attention_pass_after_a_profiled_one_runs_apart_or_is_marked(monkeypatch, capsys, ranks):
     """A pass after one whose floors traced CUDA runs in a process of its own; over
-    several ranks, whose groups stay in their processes, in this one, marked."""
+    several ranks, whose groups stay in their processes, in this one, marked. Each
+    pass's entries are printed once, as JSON lines, wherever the pass ran."""
     seen = []
+
+    def entries(run):
+        return [{"mode": m, "error": None, "pass": run.model_option[-1]} for m in ("replay", "reduce-overhead")]
 
     def run_bench(run, checkpoint=None, fp32_results=None, ranks=None, place=None):
         seen.append(("here", run.model_option[-1], place.after_profiler))
-        return {"profiled": True, "results": []}
+        return {"profiled": True, "results": entries(run)}
 
     def call(fn, run, checkpoint, fp32_results, ranks, place):
         assert fn is cli_bench.bench.run_bench and checkpoint is not None and 0 < place.seconds < 100
         seen.append(("own process", run.model_option[-1], place.after_profiler))
-        return {"profiled": True, "results": []}
+        return {"profiled": True, "results": entries(run)}
 
     monkeypatch.setattr(cli_bench.bench, "run_bench", run_bench)
     monkeypatch.setattr(own_process, "call", call)
@@ -356,6 +362,9 @@ def test_an_attention_pass_after_a_profiled_one_runs_apart_or_is_marked(monkeypa
     second = ("own process", "attention_impl=triton", False) if ranks is None else ("here", "attention_impl=triton",
                                                                                    True)
     assert seen == [("here", "attention_impl=flashinfer", False), second]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(e["pass"], e["mode"]) for e in printed] == [
+        (f"attention_impl={impl}", mode) for impl in ("flashinfer", "triton") for mode in ("replay", "reduce-overhead")]
 
 
 def test_model_options_take_one_layer_id_as_a_list_of_one():

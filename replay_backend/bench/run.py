@@ -13,7 +13,6 @@ process of its own where their floors traced CUDA.
 from __future__ import annotations
 
 import functools
-import json
 import pickle
 import statistics
 import time
@@ -211,8 +210,6 @@ def run_bench(args, checkpoint=None, fp32_results: dict | None = None, ranks: Ra
                 timed.modes.clear()
             peer = None
             release_memory()
-    for run in results:
-        print(json.dumps(asdict(run)), flush=True)
     return report()
 
 

@@ -191,8 +191,12 @@ def bench_passes(args, ranks=None) -> int:
                 print(f"the pass of attention_impl={impl} failed in its own process:\n{e}", file=sys.stderr,
                       flush=True)
                 break
-            continue
-        done.append(bench.run_bench(run, checkpoint=checkpoint, fp32_results=fp32_results, ranks=ranks, place=place))
+        else:
+            done.append(bench.run_bench(run, checkpoint=checkpoint, fp32_results=fp32_results, ranks=ranks,
+                                        place=place))
+        if lead:  # each entry once, here: a peer or a pass run apart returns its entries
+            for entry in done[-1]["results"]:
+                print(json.dumps(entry), flush=True)
     if lead:
         print(_write_report(args, done))
     failed = len(done) < len(impls)
