@@ -14,6 +14,7 @@
 #   bench@DIR:SECONDS:ARGS      the same bench of the package tree in DIR (relative to the
 #                               repository root, no ':' in it; scripts/ab_tree.sh makes one of a
 #                               commit) instead of this checkout: an A/B on one machine
+#   decode@DIR:SECONDS:ARGS     the same for decode-bench
 #   check:SECONDS:ARGS          python3 scripts/flashinfer_check.py ARGS (after wheels)
 #   probe:SECONDS:ARGS          python3 scripts/graph_launch_probe.py ARGS (a CUDA graph's launch
 #                               against its kernels' time, by kernel count and graphs per step)
@@ -30,9 +31,9 @@ split_args() {  # ARGS as a shell would split them, NUL-separated, without expan
 for step in "$@"; do  # a bad step stops the run before any step, not half-way
     IFS=: read -r kind limit args <<< "$step"
     split_args "$args" > /dev/null 2>&1 || { echo "gpu_run.sh: cannot split the arguments of step '$step'" >&2; exit 2; }
-    case "$kind" in bench@*)
-        [ -d "$repo/${kind#bench@}/replay_backend" ] \
-            || { echo "gpu_run.sh: no package tree in ${kind#bench@} (scripts/ab_tree.sh makes one)" >&2; exit 2; } ;;
+    case "$kind" in bench@*|decode@*)
+        [ -d "$repo/${kind#*@}/replay_backend" ] \
+            || { echo "gpu_run.sh: no package tree in ${kind#*@} (scripts/ab_tree.sh makes one)" >&2; exit 2; } ;;
     esac
 done
 export PYTHONUNBUFFERED=1
@@ -45,7 +46,7 @@ for step in "$@"; do
     n=$((n + 1))
     IFS=: read -r kind limit args <<< "$step"
     tree=
-    case "$kind" in bench@*) tree="${kind#bench@}"; kind=bench ;; esac
+    case "$kind" in bench@*|decode@*) tree="${kind#*@}"; kind="${kind%%@*}" ;; esac
     mapfile -d '' -t argv < <(split_args "$args")  # -k "a and not b": two words
     if [ "$kind" = wheels ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -57,22 +58,23 @@ for step in "$@"; do
     case "$kind" in
         tests) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider tests/test_gpu.py "${argv[@]}") ;;
         soak) cmd=(python3 scripts/soak.py --json "$out/soak$n.json" "${argv[@]}") ;;
-        bench) cmd=(replay-backend bench --json "$out/bench$n.json" --out "$out/bench$n.md" "${argv[@]}")
-               if [ -n "$tree" ]; then
-                   # The entry point does not put the working folder on sys.path, and
-                   # PYTHONPATH comes before the editable install of this checkout.
-                   cmd=(env PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}")
-                   echo "== package of $tree ($(cat "$repo/$tree/COMMIT" 2>/dev/null)): $(cd / && \
-                       PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
-                       'import replay_backend; print(replay_backend.__file__)')"
-               fi ;;
+        bench) cmd=(replay-backend bench --json "$out/bench$n.json" --out "$out/bench$n.md" "${argv[@]}") ;;
         check) cmd=(python3 scripts/flashinfer_check.py "${argv[@]}") ;;
         probe) cmd=(python3 scripts/graph_launch_probe.py --json "$out/probe$n.json" "${argv[@]}") ;;
         pytest) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider "${argv[@]}") ;;
         decode) cmd=(replay-backend decode-bench --out "$out/decode$n.json" "${argv[@]}") ;;
-        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, probe, decode)" >&2
+        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, probe," \
+                "decode, decode@DIR)" >&2
            exit 2 ;;
     esac
+    if [ -n "$tree" ]; then
+        # The entry point does not put the working folder on sys.path, and PYTHONPATH
+        # comes before the editable install of this checkout.
+        cmd=(env PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}")
+        echo "== package of $tree ($(cat "$repo/$tree/COMMIT" 2>/dev/null)): $(cd / && \
+            PYTHONPATH="$repo/$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+            'import replay_backend; print(replay_backend.__file__)')"
+    fi
     log="$out/$kind$n.log"
     echo "== $kind${tree:+ of $tree} (limit ${limit}s): ${cmd[*]}"
     timeout "$limit" "${cmd[@]}" 2>&1 | tr '\r' '\n' | grep --line-buffered -v -e 'graphs: ' -e '^ *$' > "$log"
