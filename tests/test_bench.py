@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from replay_backend.bench import decode as decode_bench
+from replay_backend.bench.decode_report import render as render_decode
 from replay_backend.compat import dynamo as compat_dynamo
 from replay_backend.bench import modes as bench_modes
 from replay_backend.bench import own_process
@@ -783,3 +784,21 @@ def test_decode_bench_sizes_out_of_range_are_one_line_before_any_model(argv, mat
     assert cli.main(["decode-bench", "--preset", "tiny", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(match, err[0]), err
+
+
+def test_the_decode_report_has_the_piecewise_to_full_column_only_where_both_ran():
+    def entry(mode, ms):
+        return {"mode": mode, "error": None, "tpot_ms": {"1024/8": ms}, "floor_ms": {"1024/8": 9.0},
+                "pipelined_ms": {"1024/8": ms}, "build_ms": {"1024/8": 0.5}, "host_ms": {"1024/8": 1.0},
+                "mixed_ms": {}, "ttft_ms": {}, "capture": {}, "build_s": 1.0}
+
+    def table(*runs):
+        text = render_decode({"preset": "mini-2k", "device": "x", "torch": "2", "steps": 20, "results": list(runs)})
+        return [line for line in text.splitlines() if line.startswith("| context/conc | ") or
+                line.startswith("| 1024/8 | 1")][:2]
+
+    assert table(entry("piecewise", 12.0)) == ["| context/conc | piecewise ms (floor, x floor) |",
+                                                "| 1024/8 | 12.00 (9.00, 1.33x) |"]
+    assert table(entry("piecewise", 12.0), entry("full_and_piecewise", 10.0)) == [
+        "| context/conc | piecewise ms (floor, x floor) | full_and_piecewise ms (floor, x floor) "
+        "| piecewise / full_and_piecewise |", "| 1024/8 | 12.00 (9.00, 1.33x) | 10.00 (9.00, 1.11x) | 1.20x |"]
