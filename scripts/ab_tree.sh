@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Commit REV's package as an importable source tree in DIR (DIR/replay_backend, with
-# passes/ mapped into it as pyproject.toml maps it), for gpu_run.sh's bench@DIR step:
-# two commits timed on one GPU machine, in turns (docs/benchmarks.md, Comparing two
-# commits). DIR is relative to the repository root, under out/ (which git ignores) or
-# another ignored folder, and is carried to the machine. A DIR this script made before
-# is replaced.
+# passes/ mapped into it as pyproject.toml maps it), for gpu_run.sh's bench@DIR and
+# decode@DIR steps: two commits timed on one GPU machine, in turns (docs/benchmarks.md,
+# Comparing two commits). DIR is relative to the repository root, under out/ (which git
+# ignores) or another ignored folder, and is carried to the machine. A DIR this script
+# made before is replaced.
 #
 # usage: bash scripts/ab_tree.sh REV DIR
 set -euo pipefail

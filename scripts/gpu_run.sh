@@ -31,9 +31,14 @@ split_args() {  # ARGS as a shell would split them, NUL-separated, without expan
 for step in "$@"; do  # a bad step stops the run before any step, not half-way
     IFS=: read -r kind limit args <<< "$step"
     split_args "$args" > /dev/null 2>&1 || { echo "gpu_run.sh: cannot split the arguments of step '$step'" >&2; exit 2; }
-    case "$kind" in bench@*|decode@*)
-        [ -d "$repo/${kind#*@}/replay_backend" ] \
-            || { echo "gpu_run.sh: no package tree in ${kind#*@} (scripts/ab_tree.sh makes one)" >&2; exit 2; } ;;
+    case "$kind" in
+        bench@*|decode@*)
+            [ -d "$repo/${kind#*@}/replay_backend" ] \
+                || { echo "gpu_run.sh: no package tree in ${kind#*@} (scripts/ab_tree.sh makes one)" >&2; exit 2; } ;;
+        wheels|tests|pytest|soak|bench|check|probe|decode) ;;
+        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, probe," \
+                "decode, decode@DIR)" >&2
+           exit 2 ;;
     esac
 done
 export PYTHONUNBUFFERED=1
@@ -63,9 +68,6 @@ for step in "$@"; do
         probe) cmd=(python3 scripts/graph_launch_probe.py --json "$out/probe$n.json" "${argv[@]}") ;;
         pytest) cmd=(python3 -m pytest -v -rA -p no:warnings -p no:cacheprovider "${argv[@]}") ;;
         decode) cmd=(replay-backend decode-bench --out "$out/decode$n.json" "${argv[@]}") ;;
-        *) echo "gpu_run.sh: unknown step '$kind' (wheels, tests, pytest, soak, bench, bench@DIR, check, probe," \
-                "decode, decode@DIR)" >&2
-           exit 2 ;;
     esac
     if [ -n "$tree" ]; then
         # The entry point does not put the working folder on sys.path, and PYTHONPATH
