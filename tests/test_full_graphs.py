@@ -223,6 +223,43 @@ def test_a_batch_laid_out_for_full_graphs_outside_the_metadata_buffer_runs_in_pi
     assert (result.kind, result.padded_tokens) == (PIECEWISE, 8)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_served_batch_built_without_the_graph_layout_is_a_counted_fallback(strict):
+    """A batch a FULL graph could run, built with ``build_step_batch`` (no graph layout)
+    instead of the compiled model's ``build_batch``: its step runs in pieces, right,
+    as the counted fallback metadata_in_place (an error under strict), not silently. A
+    batch beyond every FULL size counts nothing."""
+    server, _, oracle = toy_served("always", cudagraph_mode="full_and_piecewise", strict=strict)
+    compiled = server.compiled
+    policy = compiled.backend.model.full_policy
+
+    def plain(step):
+        return build_step_batch(step, [server.default_tokens(r) for r in step], [server.block(r.req_id) for r in step],
+                                server.layout, server.model.window, "cpu", view_fields=server.setup.view_fields,
+                                inputs_in_metadata=compiled.direct)
+
+    step = [R("b", 6, 6)]
+    batch = plain(step)
+    assert batch.graph is None and policy.wants_layout(step)
+    with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
+        if strict:
+            with pytest.raises(StrictFallbackError, match="metadata_in_place: a batch that could run as a FULL graph "
+                                                          "was built without the graph layout"):
+                compiled(batch.input_ids, batch.positions)
+            return
+        with counters.expect(strict=False, fallbacks={"metadata_in_place": 1}):
+            (hidden,) = compiled(batch.input_ids, batch.positions)
+    assert (compiled.last_step.kind, compiled.last_step.padded_tokens) == (PIECEWISE, 8)
+    want, _ = oracle.step(step)
+    assert max_abs_err(server.model.head(hidden[batch.logits_indices]), want) <= 1e-5
+    big = [R("c", policy.sizes[-1] + 1, policy.sizes[-1] + 1)]
+    batch = plain(big)
+    with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
+        with counters.expect(strict=False, fallbacks={}):
+            compiled(batch.input_ids, batch.positions)
+    assert compiled.last_step.kind is not FULL
+
+
 def test_a_batch_laid_out_for_other_rows_runs_in_pieces():
     """A batch in the backend's metadata buffer but laid out for more rows than the
     FULL graphs read: its fields sit at other offsets, so its step runs in pieces, as

@@ -170,6 +170,12 @@ class CompiledReplayModel:
                            "(built outside the backend's metadata buffer, or for another number of rows) runs in "
                            "pieces: build it with the compiled model's build_batch")
             full = False
+        elif policy is not None and batch is not None and batch.graph is None and self.res.lifecycle.serving \
+                and policy.wants_layout(batch.requests):
+            # The backend's build_batch lays out every served batch a FULL graph may run.
+            self._fallback(Fallback.METADATA_IN_PLACE, "a batch that could run as a FULL graph was built without "
+                           "the graph layout (with build_step_batch, not the compiled model's build_batch), so it "
+                           "runs in pieces: build served batches with the compiled model's build_batch")
         full = full and policy.takes(batch.requests)
         fell_back = False
         if use_graphs and self.cfg.graphs_enabled and (changed := self.inputs.changed_number(args)):
