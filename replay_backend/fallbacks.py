@@ -23,7 +23,7 @@ class Fallback(str, enum.Enum):
 
     REPLAY_REGION_UNSUPPORTED = "replay_region_unsupported"  # the region stays in the main graph: no trimming
     MAIN_GRAPHS_PADDING_UNSAFE = "main_graphs_padding_unsafe"  # padding could change real rows: no main graphs
-    UNCAPTURED_SIZE = "uncaptured_size"  # a served step's size has no graph: its pieces run eagerly
+    UNCAPTURED_SIZE = "uncaptured_size"  # a served step's size has no graph: its pieces run eagerly (once a level)
     NOTHING_CAPTURED = "nothing_captured"  # capture() captured no graph although graphs are on
     DIRECT_DISPATCH = "direct_dispatch"  # calls go through Dynamo's entry, not straight to the graph
     METADATA_IN_PLACE = "metadata_in_place"  # served steps' metadata is built in fresh memory

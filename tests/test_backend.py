@@ -868,17 +868,20 @@ def test_piece_runner_uncaptured_size_after_serving_is_a_counted_fallback():
     from replay_backend.lifecycle import Lifecycle, Phase
 
     x, w = torch.randn(4, 3), torch.randn(3, 2)
-    level = GraphLevel("main", [4, 8], size=4)
+    level = GraphLevel("main", [4, 8])
     serving = Lifecycle()
     for phase in (Phase.WARMING, Phase.SERVING):
         serving.advance(phase)
-    runner = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False, lifecycle=serving))
-    with counters.expect(fallbacks={"uncaptured_size": 1}):
-        out = runner(x, w)[0]
+    res = GraphResources(use_cuda=False, lifecycle=serving)
+    runner, second = PieceRunner("toy", _fn, level, res), PieceRunner("toy2", _fn, level, res)
+    for _ in range(2):  # two steps of two pieces each: one count a step, not one a piece
+        with counters.expect(fallbacks={"uncaptured_size": 1}), level.at(4):
+            out = runner(x, w)[0]
+            second(x, w)
     torch.testing.assert_close(out, x @ w + 1)
     assert runner.graphs == {}
     strict = PieceRunner("toy", _fn, level, GraphResources(use_cuda=False, strict=True, lifecycle=serving))
-    with pytest.raises(StrictFallbackError, match="uncaptured_size"):
+    with pytest.raises(StrictFallbackError, match="uncaptured_size"), level.at(4):
         strict(x, w)
 
 

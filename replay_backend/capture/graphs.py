@@ -77,6 +77,9 @@ class GraphLevel:
     # The padded size its pieces run at now (None: directly), set only for the extent of
     # one run by :meth:`at`, so no step leaves it behind for the next.
     size: int | None = None
+    # Whether a piece of this run found no graph of its size while serving: the run's
+    # fallback is counted once, not once per piece.
+    missed: bool = False
 
     def __post_init__(self) -> None:
         self.sizes = sorted(set(self.sizes))
@@ -97,6 +100,7 @@ class _AtSize:
 
     def __enter__(self) -> None:
         self.saved, self.level.size = self.level.size, self.size
+        self.level.missed = False
 
     def __exit__(self, *exc) -> None:
         self.level.size = self.saved
@@ -235,8 +239,10 @@ class PieceRunner(nn.Module):
         graph = self.graphs.get(size)
         if graph is None:
             if not self.res.lifecycle.may_capture:
-                self.res.fallback(Fallback.UNCAPTURED_SIZE, f"{self.level.name} graph for size {size} was not "
-                                  "captured before serving; running the piece without a graph")
+                if not self.level.missed:
+                    self.level.missed = True
+                    self.res.fallback(Fallback.UNCAPTURED_SIZE, f"{self.level.name} graphs for size {size} were "
+                                      "not captured before serving; running the pieces without graphs")
                 return self.fn(*args)
             if self.res.use_cuda and not self._warm:
                 # Warm-up before this piece's first capture: compilation, autotuning and
