@@ -223,6 +223,22 @@ def test_a_batch_laid_out_for_full_graphs_outside_the_metadata_buffer_runs_in_pi
     assert (result.kind, result.padded_tokens) == (PIECEWISE, 8)
 
 
+def test_steps_after_capture_without_start_serving_run_in_pieces_and_the_note_says_so(caplog):
+    """FULL graphs serve only from start_serving() on: a step between capture() and it
+    runs in pieces, right, and the once-logged note on such steps names the FULL graphs."""
+    model = ToyModel("always").eval()
+    compiled = replay_backend.compile(model, ("input_ids", "positions"),
+                                      options={**TOY_OPTS, "cudagraph_mode": "full_and_piecewise"})
+    server = OwnServer(model, toy_cache, compiled, max_model_len=TOY_LEN, max_num_seqs=4)
+    oracle = OwnServer(model, toy_cache, max_model_len=TOY_LEN, max_num_seqs=4)
+    server.warm_up()
+    assert "full" in compiled.capture(server.setup)
+    result, err = toy_step(server, oracle, [R("a", 5, 5)])
+    assert result.kind is PIECEWISE and err <= 1e-5
+    assert "steps run after capture() without start_serving()" in caplog.text
+    assert "no step runs as a FULL graph" in caplog.text
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_served_batch_built_without_the_graph_layout_is_a_counted_fallback(strict):
     """A batch a FULL graph could run, built with ``build_step_batch`` (no graph layout)

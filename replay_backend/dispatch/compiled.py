@@ -143,8 +143,10 @@ class CompiledReplayModel:
         if plan is not None:
             self.res.lifecycle.last_plan = plan
         if self.res.lifecycle.phase is Phase.CAPTURED:
+            # Only a served batch is laid out where FULL graphs read (backend.build_batch).
+            full = ", and no step runs as a FULL graph" if self.full_policy is not None else ""
             self.res.lifecycle.phase_note("steps run after capture() without start_serving(): a recompile is not an "
-                                          "error yet, and a size without a graph is captured in the step; call "
+                                          f"error yet, a size without a graph is captured in the step{full}; call "
                                           "start_serving() once warm-up is over")
         if plan is not None and plan.kind is StepKind.FULL:
             self.dispatch["full"][plan.padded_tokens] += 1
