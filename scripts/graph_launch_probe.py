@@ -42,19 +42,19 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _positive(text: str) -> int:
-    values = _ints(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return values[0]
+def positive_int(text: str) -> int:
+    """An argparse type: one positive integer (tracing_probe.py's too)."""
+    if not text.isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=_ints, default=[250, 500, 1000, 2000, 4000], help="kernels per step")
     ap.add_argument("--chunks", type=_ints, default=[1, 4, 16], help="graphs the kernels are split into")
-    ap.add_argument("--width", type=_positive, default=4096, help="elements each kernel adds to")
-    ap.add_argument("--reps", type=_positive, default=30)
+    ap.add_argument("--width", type=positive_int, default=4096, help="elements each kernel adds to")
+    ap.add_argument("--reps", type=positive_int, default=30)
     ap.add_argument("--json", default=None, help="write the rows here too")
     args = ap.parse_args(argv)
     for n in args.nodes:

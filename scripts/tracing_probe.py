@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from graph_launch_probe import capture  # noqa: E402
+from graph_launch_probe import capture, positive_int  # noqa: E402
 
 SCENARIOS = ("attached", "plain")
 
@@ -81,16 +81,10 @@ def _scenarios(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=_positive, default=2000)
-    ap.add_argument("--reps", type=_positive, default=30)
+    ap.add_argument("--nodes", type=positive_int, default=2000)
+    ap.add_argument("--reps", type=positive_int, default=30)
     ap.add_argument("--scenarios", type=_scenarios, default=list(SCENARIOS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", choices=SCENARIOS, help=argparse.SUPPRESS)  # a child's scenario
