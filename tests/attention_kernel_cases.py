@@ -2,6 +2,8 @@
 split into chunks, against the PyTorch reference of one request's attention: the
 cases shared by the CPU test (under Triton's interpreter, in a child process) and the
 GPU test."""
+import contextlib
+
 import torch
 
 from replay_backend.reference import attention_triton
@@ -47,10 +49,28 @@ def _run_case(device, qlens, seq_lens, floors, ratio, dtype, gen):
     outs = {}
     for splits in (None, 1, 2, 3, 6):
         out = torch.full((qsl[-1], heads, d), float("nan"), dtype=dtype, device=device)
-        attention_triton.attend(q, out, swa, glob, ratio or 1, blocks, WINDOW, True, sink, scale,
-                                max(seq_lens), splits=splits)
+        with _nan_scratch():
+            attention_triton.attend(q, out, swa, glob, ratio or 1, blocks, WINDOW, True, sink, scale,
+                                    max(seq_lens), splits=splits)
         outs[splits] = out
     return want, outs
+
+
+@contextlib.contextmanager
+def _nan_scratch():
+    """The chunks' scratch records start as NaN, not as whatever memory held: the merge
+    reads only what the chunks wrote (each block's own rows)."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = nan_empty
+    try:
+        yield
+    finally:
+        torch.empty = empty
 
 
 def check_against_reference(device: str) -> None:

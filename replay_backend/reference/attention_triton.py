@@ -176,11 +176,11 @@ if triton is not None:
                         mask=(offs_n < hi)[:, None], other=0.0)
             ok = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= pos[:, None])
             m_i, l_i, acc = _online_step(q, k, ok, m_i, l_i, acc, scale, PRECISION)
-        if SPLIT:
+        if SPLIT:  # the block's rows only: a decode block holds one row of BLOCK_M
             rec = _record(Part, split, bid, h, BLOCK_M * (D + 2))
-            tl.store(rec + offs_m, m_i)
-            tl.store(rec + BLOCK_M + offs_m, l_i)
-            tl.store(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :], acc)
+            tl.store(rec + offs_m, m_i, mask=rmask)
+            tl.store(rec + BLOCK_M + offs_m, l_i, mask=rmask)
+            tl.store(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :], acc, mask=rmask[:, None])
         else:
             out = acc / l_i[:, None]
             tl.store(Out + (row0 + offs_m)[:, None] * STRIDE_OT + h * STRIDE_OH + offs_d[None, :],
@@ -197,19 +197,24 @@ if triton is not None:
         nrows = tl.load(Blocks + bid * 9 + 1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
+        # Rows past the block's own were never written: they read as an empty partial
+        # (no mass), and their output is never stored.
+        rmask = offs_m < nrows
         m = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
         for s in range(0, splits):
-            m = tl.maximum(m, tl.load(_record(Part, s, bid, h, BLOCK_M * (D + 2)) + offs_m))
+            m = tl.maximum(m, tl.load(_record(Part, s, bid, h, BLOCK_M * (D + 2)) + offs_m, mask=rmask,
+                                      other=-1.0e30))
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         for s in range(0, splits):
             rec = _record(Part, s, bid, h, BLOCK_M * (D + 2))
-            w = tl.exp(tl.load(rec + offs_m) - m)
-            l_sum += tl.load(rec + BLOCK_M + offs_m) * w
-            acc += tl.load(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :]) * w[:, None]
+            w = tl.exp(tl.load(rec + offs_m, mask=rmask, other=-1.0e30) - m)
+            l_sum += tl.load(rec + BLOCK_M + offs_m, mask=rmask, other=0.0) * w
+            acc += tl.load(rec + 2 * BLOCK_M + offs_m[:, None] * D + offs_d[None, :], mask=rmask[:, None],
+                           other=0.0) * w[:, None]
         out = acc / l_sum[:, None]
         tl.store(Out + (row0 + offs_m)[:, None] * STRIDE_OT + h * STRIDE_OH + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=(offs_m < nrows)[:, None])
+                 out.to(Out.dtype.element_ty), mask=rmask[:, None])
 
     _KERNEL = KeptKernel(_attn_kernel)
     _MERGE = KeptKernel(_merge_kernel)
