@@ -47,12 +47,15 @@ def _run_case(device, qlens, seq_lens, floors, ratio, dtype, gen):
         want[qsl[i]:qsl[i + 1]] = attend_request(q[qsl[i]:qsl[i + 1]], swa[base[i]:base[i] + seq_len], g,
                                                   ratio or 1, seq_len, floors[i], WINDOW, sink, scale)
     outs = {}
-    for splits in (None, 1, 2, 3, 6):
+    # (splits, the longest sequence the split is planned for): as planned, forced, and
+    # as a FULL graph plans it, for far longer sequences than any block here holds.
+    for splits, longest in ((None, max(seq_lens)), (1, max(seq_lens)), (2, max(seq_lens)), (3, max(seq_lens)),
+                            (6, max(seq_lens)), (16, 16 * MAX_LEN)):
         out = torch.full((qsl[-1], heads, d), float("nan"), dtype=dtype, device=device)
         with _nan_scratch():
-            attention_triton.attend(q, out, swa, glob, ratio or 1, blocks, WINDOW, True, sink, scale,
-                                    max(seq_lens), splits=splits)
-        outs[splits] = out
+            attention_triton.attend(q, out, swa, glob, ratio or 1, blocks, WINDOW, True, sink, scale, longest,
+                                    splits=splits)
+        outs[(splits, longest)] = out
     return want, outs
 
 
@@ -74,8 +77,10 @@ def _nan_scratch():
 
 
 def check_against_reference(device: str) -> None:
-    """Every case, whole and in 2, 3 and 6 chunks (after rounding to whole key tiles:
-    a 700-key cache in 6 chunks is 6 of 128), within fp32 rounding of the reference;
+    """Every case, whole, in 2, 3 and 6 chunks (after rounding to whole key tiles:
+    a 700-key cache in 6 chunks is 6 of 128) and in the 16 of a plan for sequences 16
+    times longer (each block cuts its own keys into 16), within fp32 rounding of the
+    reference;
     on the GPU in bf16 too, within a bf16 rounding (Triton's interpreter computes the
     kernel's bf16 dots on the raw bits: garbage there, for the whole kernel as for the
     split)."""
@@ -84,25 +89,25 @@ def check_against_reference(device: str) -> None:
     for dtype, tol in dtypes:
         for case in _cases():
             want, outs = _run_case(device, *case, dtype, gen)
-            for splits, out in outs.items():
+            for plan, out in outs.items():
                 err = (out.float() - want).abs().max().item()
-                assert err < tol, (case, dtype, splits, err)
+                assert err < tol, (case, dtype, plan, err)
 
 
 def check_split_plan() -> None:
     """The plan splits only few programs over many keys (from MIN_SPLIT_KEYS), in
     whole tiles, at least MIN_CHUNK keys each."""
     plan = attention_triton.split_plan
-    assert plan(2, 16, 4096, 132) == (16, 256)  # one long prompt's replay rows
-    assert plan(2, 16, 8192, 132) == (16, 512)  # 17 wanted, rounded to whole tiles
-    assert plan(2, 16, 2048, 132) == (8, 256)  # the fewest keys that split
-    assert plan(16, 16, 8192, 132) == (3, 2752)  # a 1,024-row chunk after 7K tokens
-    assert plan(64, 16, 4096, 132) == (1, 0)  # 1,024 programs: enough already
-    assert plan(2, 16, 2047, 132) == (1, 0)  # too few keys to split
-    assert plan(2, 16, 0, 132) == (1, 0)  # no global keys (SWA-only layers)
-    assert attention_triton.chunked(700, 6) == (6, 128)
-    assert attention_triton.chunked(100, 3) == (2, 64)
-    assert attention_triton.chunked(60, 3) == (1, 0)
+    assert plan(2, 16, 4096, 132) == 16  # one long prompt's replay rows
+    assert plan(2, 16, 8192, 132) == 16  # 17 wanted; in whole tiles, 16 of 512 keys
+    assert plan(2, 16, 2048, 132) == 8  # the fewest keys that split
+    assert plan(16, 16, 8192, 132) == 3  # a 1,024-row chunk after 7K tokens
+    assert plan(64, 16, 4096, 132) == 1  # 1,024 programs: enough already
+    assert plan(2, 16, 2047, 132) == 1  # too few keys to split
+    assert plan(2, 16, 0, 132) == 1  # no global keys (SWA-only layers)
+    assert attention_triton.chunks(700, 6) == 6  # of 128 keys
+    assert attention_triton.chunks(100, 3) == 2  # of 64
+    assert attention_triton.chunks(60, 3) == 1
 
 
 def check_model_steps_split(device: str) -> None:

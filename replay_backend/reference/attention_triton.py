@@ -12,7 +12,8 @@ heads = 32 programs walking 4,096 keys in turn, on a GPU of 132 SMs) leave the G
 mostly idle while each program loops. Then the global keys are split into chunks, one
 program per (block, head, chunk), each writing its unnormalised partial softmax
 (running max, mass, weighted sum) to a scratch buffer, and a second kernel merges the
-chunks. The plan is host arithmetic on the view's sizes (``split_plan``).
+chunks. How many chunks is host arithmetic on the view's sizes (``split_plan``); each
+block cuts its own global keys into that many, in whole key tiles, in the kernel.
 
 Everything per step is host-built metadata (one small tensor per view), so the op has
 no device-to-host sync.
@@ -28,9 +29,11 @@ from ..compat.triton import KeptKernel, aligned, available, tl, triton  # noqa: 
 BLOCK_M = 64
 BLOCK_N = 64
 NUM_FIELDS = 9
-# Split the global keys while fewer programs than this many per SM would run, into
-# chunks of at least MIN_CHUNK keys (below that a chunk's fixed cost, its partial's
-# write and read, outweighs the parallelism it adds), and only from MIN_SPLIT_KEYS on.
+# Split the global keys while fewer programs than this many per SM would run, the
+# longest block's into chunks of at least MIN_CHUNK keys (below that a chunk's fixed
+# cost, its partial's write and read, outweighs the parallelism it adds; a shorter
+# block's chunks are shorter, their programs launched and their records written
+# anyway), and only from MIN_SPLIT_KEYS on.
 # Below it the walk is short and the split's merge launch and scratch buffer cost about
 # what it saves (scripts/attention_split_probe.py measures both sides per shape).
 PROGRAMS_PER_SM = 4
@@ -58,27 +61,27 @@ def row_blocks(query_start_loc, seq_lens, kv_start, cache_base, window: int,
     return out
 
 
-def split_plan(num_blocks: int, heads: int, max_global: int, num_sms: int) -> tuple[int, int]:
-    """``(splits, chunk)``: how many chunks of ``chunk`` global keys (a multiple of
-    BLOCK_N) each (block, head) walks in parallel; ``(1, 0)`` for no split. The chunk
-    count brings the programs up to ``PROGRAMS_PER_SM`` per SM, within MIN_CHUNK, where
-    the blocks read at least MIN_SPLIT_KEYS global keys."""
+def split_plan(num_blocks: int, heads: int, max_global: int, num_sms: int) -> int:
+    """How many chunks each (block, head) walks its global keys in, in parallel (1: no
+    split): enough to bring the programs up to ``PROGRAMS_PER_SM`` per SM, each chunk of
+    the longest block at least MIN_CHUNK keys, where the blocks read at least
+    MIN_SPLIT_KEYS global keys."""
     if max_global < MIN_SPLIT_KEYS:
-        return 1, 0
+        return 1
     programs = num_blocks * heads
     want = -(-PROGRAMS_PER_SM * num_sms // max(programs, 1))
-    return chunked(max_global, min(want, max_global // MIN_CHUNK))
+    return chunks(max_global, min(want, max_global // MIN_CHUNK))
 
 
-def chunked(max_global: int, splits: int) -> tuple[int, int]:
-    """``max_global`` keys in about ``splits`` chunks of whole key tiles: ``(splits,
-    chunk)`` after rounding the chunk up, ``(1, 0)`` where that leaves one chunk."""
+def chunks(max_global: int, splits: int) -> int:
+    """How many chunks of whole key tiles ``max_global`` keys take when cut into about
+    ``splits`` (fewer where rounding each chunk up to whole tiles leaves some empty).
+    The kernel cuts each block's own keys so, the longest block's into this many."""
     if splits < 2 or max_global <= 0:
-        return 1, 0
+        return 1
     chunk = -(-max_global // splits)
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
-    splits = -(-max_global // chunk)
-    return (splits, chunk) if splits > 1 else (1, 0)
+    return -(-max_global // chunk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,11 +116,11 @@ if triton is not None:
         return Part + ((split * tl.num_programs(0) + bid) * tl.num_programs(1) + h) * REC
 
     # The strides, the layer's kind and whether it splits are constexprs, and ``window``
-    # and ``chunk`` are not specialised on: with the pointers' 16-byte alignment (which
-    # Triton specialises on, and ``attend`` puts in its key) and the dtypes, they fix the
-    # build (KeptKernel).
-    @triton.jit(do_not_specialize=["window", "chunk"])
-    def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks, Part, window, chunk, scale,
+    # is not specialised on: with the pointers' 16-byte alignment (which Triton
+    # specialises on, and ``attend`` puts in its key) and the dtypes, they fix the build
+    # (KeptKernel).
+    @triton.jit(do_not_specialize=["window"])
+    def _attn_kernel(Q, Kswa, Kglob, Out, Sink, Blocks, Part, window, scale,
                      STRIDE_QT: tl.constexpr, STRIDE_QH: tl.constexpr, STRIDE_OT: tl.constexpr,
                      STRIDE_OH: tl.constexpr, FLOORED: tl.constexpr, RATIO: tl.constexpr,
                      HAS_GLOB: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -157,6 +160,10 @@ if triton is not None:
             gbase = base // RATIO
             g_row = (pos + 1) // RATIO
             if SPLIT:
+                # Each block cuts its own keys into the grid's chunks: a FULL graph's grid
+                # is sized for the longest sequence it may serve, and a shorter one
+                # still spreads over every chunk instead of filling the first alone.
+                chunk = tl.cdiv(tl.cdiv(g_last, tl.num_programs(2)), BLOCK_N) * BLOCK_N
                 g_lo = split * chunk
                 g_hi = tl.minimum(g_lo + chunk, g_last)
             else:
@@ -236,8 +243,7 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
         raise ValueError("attention inputs must be contiguous in the head dim")
     has_glob = glob is not None
     max_global = max_seq_len // ratio if has_glob else 0
-    splits, chunk = split_plan(nb, heads, max_global, _num_sms(q.device)) if splits is None \
-        else chunked(max_global, splits)
+    splits = split_plan(nb, heads, max_global, _num_sms(q.device)) if splits is None else chunks(max_global, splits)
     split = splits > 1
     # The chunks' partial records, fp32. Per call: between pieces the caching allocator
     # serves it, inside a FULL graph the graph's pool. Without a split the kernel never
@@ -251,7 +257,7 @@ def attend(q: torch.Tensor, out: torch.Tensor, swa: torch.Tensor, glob: torch.Te
               # fp32 models get exact fp32 dots (the tests' tight comparisons); bf16 uses tensor cores.
               "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
     key = (q.device.index, *[x.dtype for x in ptrs], *aligned(*ptrs), *consts.values())
-    _KERNEL(key, (nb, heads, splits), q.device, (*ptrs, window, chunk, scale), consts)
+    _KERNEL(key, (nb, heads, splits), q.device, (*ptrs, window, scale), consts)
     if split:
         mconsts = {"STRIDE_OT": out.stride(0), "STRIDE_OH": out.stride(1), "D": d, "BLOCK_M": BLOCK_M}
         mkey = (q.device.index, out.dtype, *aligned(part, out, blocks), *mconsts.values())
