@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replay_backend import (CacheLayout, RequestChunk, StepSetup, build_step_batch, declare_attention,
-                            get_forward_context, replay_begin, replay_end, set_forward_context)
+from replay_backend import CacheLayout, declare_attention, get_forward_context, replay_begin, replay_end
+
+from own_server import OwnServer
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
@@ -132,50 +133,12 @@ class LlamaSWA(nn.Module):
         return (self.norm(x),)
 
 
-class LlamaServer:
-    """The model's own step loop: one cache block per request, the step protocol's
-    batch and forward context, the head on each request's last row. ``compiled``: the
-    model compiled with ``replay_backend.compile``, which builds the served batches
+class LlamaServer(OwnServer):
+    """The model's own step loop (tests/own_server.py) over its own cache. ``compiled``:
+    the model compiled with ``replay_backend.compile``, which builds the served batches
     (in its fixed metadata buffer) and runs the steps; None runs the eager model."""
 
     def __init__(self, model: LlamaSWA, compiled=None, max_model_len: int = 256, max_num_seqs: int = 8) -> None:
-        p = next(model.parameters())
-        self.model, self.compiled = model, compiled
-        self.layout = CacheLayout(max_model_len, max_num_seqs)
-        self.cache = LlamaCache(model, self.layout, p.device, p.dtype)
-        self.setup = StepSetup(self.layout, model.window, self.cache, p.device)
-        self.device, self.blocks = p.device, {}
+        super().__init__(model, LlamaCache, compiled, max_model_len, max_num_seqs)
 
-    def tokens(self, r: RequestChunk) -> torch.Tensor:
-        return (torch.arange(r.context_len, r.seq_len) * 7 + len(str(r.req_id))) % self.model.embed.num_embeddings
-
-    @torch.no_grad()
-    def step(self, requests: list[RequestChunk]):
-        """Runs one step; returns each request's last-row logits and what the compiled
-        model did (a ``StepResult``; None for the eager model)."""
-        blocks = [self.blocks.setdefault(r.req_id, len(self.blocks)) for r in requests]
-        if len(self.blocks) > self.layout.num_blocks:
-            raise ValueError(f"more than max_num_seqs={self.layout.num_blocks} requests")
-        tokens = [self.tokens(r) for r in requests]
-        if self.compiled is not None:
-            batch = self.compiled.build_batch(requests, tokens, blocks)
-        else:
-            batch = build_step_batch(requests, tokens, blocks, self.layout, self.model.window, self.device)
-        with set_forward_context(self.setup.context(batch)):
-            (hidden,) = (self.compiled or self.model)(batch.input_ids, batch.positions)
-        result = self.compiled.last_step if self.compiled is not None else None
-        return self.model.head(hidden[batch.logits_indices]), result
-
-    @torch.no_grad()
-    def warm_up(self) -> None:
-        """The compiled model's one trace: a dummy step (every write to the pad slot)
-        that captures nothing."""
-        batch = self.setup.dummy_batch(self.model.window)
-        with set_forward_context(self.setup.context(batch, use_graphs=False)):
-            self.compiled(batch.input_ids, batch.positions)
-
-    def serve(self) -> None:
-        """Warm up, capture every graph, start serving."""
-        self.warm_up()
-        self.compiled.capture(self.setup)
-        self.compiled.start_serving()
+    tokens = OwnServer.default_tokens

@@ -1,8 +1,9 @@
 """A step loop any own model of the test suite can be served by (tests/llama_swa.py,
-tests/gqa_rope.py), written only against replay_backend's public API, with what a
-soak needs beyond ``LlamaServer``: the step's token ids given by the caller, cache
-blocks given back when a request finishes (and reused by later ones), and the cache
-entries a step wrote that a later step may read.
+tests/gqa_rope.py), written only against replay_backend's public API: one cache block
+per live request (given back when it finishes, and reused by later ones), the step's
+token ids given by the caller or made up, the step protocol's batch and forward
+context, the head on each request's last row, and the cache entries a step wrote that
+a later step may read.
 
 A model served here has ``window``, ``layers`` (one cache tensor pair per layer),
 ``replay_from`` (its first replay layer), ``head`` and ``forward(input_ids,

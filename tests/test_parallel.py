@@ -385,7 +385,7 @@ def _recompile_under_plain_compile(rank: int, world: int) -> list:
     server = LlamaServer(model)
 
     def run(fn, requests, grad=False):
-        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in requests]
+        blocks = [server.block(r.req_id) for r in requests]
         tokens = [server.tokens(r) for r in requests]
         batch = be.build_batch(requests, tokens, blocks) if fn is compiled and be.setup is not None else \
             replay_backend.build_step_batch(requests, tokens, blocks, server.layout, 8, "cpu")

@@ -119,7 +119,7 @@ def _bare_steps(compiled, model, steps):
     be = backend_of(compiled)
     for step in steps:
         tokens = [server.tokens(r) for r in step]
-        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in step]
+        blocks = [server.block(r.req_id) for r in step]
         batch = be.build_batch(step, tokens, blocks)
         with set_forward_context(server.setup.context(batch)), torch.no_grad():
             (hidden,) = compiled(batch.input_ids, batch.positions)

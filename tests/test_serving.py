@@ -447,7 +447,7 @@ def serve_numbers(cls, steps, device: str = "cpu", compiler: str = "eager", tol:
     serving = []
 
     def step(fn, requests, scale, use_graphs=True):
-        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in requests]
+        blocks = [server.block(r.req_id) for r in requests]
         tokens = [server.tokens(r) for r in requests]
         on = server if fn is compiled else eager
         be = replay_backend.backend_of(compiled) if fn is compiled and serving else None
@@ -622,7 +622,7 @@ def test_a_guard_relating_the_token_count_to_an_int_argument_is_checked_at_its_v
     compiled = torch.compile(model, backend="dsv41_replay", dynamic=True, options=OPTIONS)
     server = LlamaServer(model)
     for k, step in enumerate(([RequestChunk("a", 20, 20)], [RequestChunk("a", 1, 21)], [RequestChunk("b", 100, 100)])):
-        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in step]
+        blocks = [server.block(r.req_id) for r in step]
         batch = replay_backend.build_step_batch(step, [server.tokens(r) for r in step], blocks, server.layout, W,
                                                 "cpu")
         with torch.no_grad(), replay_backend.set_forward_context(server.setup.context(batch)):
@@ -677,7 +677,7 @@ def test_a_new_tensor_argument_each_step_is_refused_saying_to_update_it_in_place
     gate = torch.ones(())
 
     def step(requests, value, fresh: bool, fn=compiled, on=server):
-        blocks = [server.blocks.setdefault(r.req_id, len(server.blocks)) for r in requests]
+        blocks = [server.block(r.req_id) for r in requests]
         tokens = [server.tokens(r) for r in requests]
         be = replay_backend.backend_of(compiled) if fn is compiled and be_serving else None
         batch = (be.build_batch(requests, tokens, blocks) if be is not None else
