@@ -49,8 +49,7 @@ def _run_case(device, qlens, seq_lens, floors, ratio, dtype, gen):
     outs = {}
     # (splits, the longest sequence the split is planned for): as planned, forced, and
     # as a FULL graph plans it, for far longer sequences than any block here holds.
-    for splits, longest in ((None, max(seq_lens)), (1, max(seq_lens)), (2, max(seq_lens)), (3, max(seq_lens)),
-                            (6, max(seq_lens)), (16, 16 * MAX_LEN)):
+    for splits, longest in [(s, max(seq_lens)) for s in (None, 1, 2, 3, 6)] + [(16, 16 * MAX_LEN)]:
         out = torch.full((qsl[-1], heads, d), float("nan"), dtype=dtype, device=device)
         with _nan_scratch():
             attention_triton.attend(q, out, swa, glob, ratio or 1, blocks, WINDOW, True, sink, scale, longest,
